@@ -1,0 +1,110 @@
+"""Installed versions of the target libraries, read without importing them.
+
+Versions come from ``importlib.metadata`` (the installed distribution's metadata), so asking
+"which transformers is installed?" never pays the seconds that ``import transformers`` costs and
+never runs a target library's import-time code.
+
+Comparisons are *normalised*: a version is compared by its release number only. PEP 440 keeps
+pre-releases, dev builds and local tags out of plain ranges, which silently drops the torch builds
+people actually run:
+
+* ``2.6.0a0+ecf3bae40a.nv25.01`` (NVIDIA NGC containers) is in neither ``<2.6`` nor ``>=2.6``;
+* ``2.6.0.dev20241112+cu124`` (nightlies) and ``2.6.0rc1`` likewise;
+* ``2.5.1+cu121`` (local tag) already compares as 2.5.1.
+
+Here each of them counts as its release (2.6.0, 2.6.0, 2.6.0, 2.5.1): an NGC ``2.6.0a0`` ships the
+2.6 code, and a nightly of 2.6 has what 2.6 has.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Iterable, Mapping
+
+#: The libraries whose device placement this package repairs.
+TARGET_DISTRIBUTIONS = ("torch", "transformers", "accelerate", "bitsandbytes", "diffusers")
+
+_RELEASE = re.compile(r"^\s*v?(?:\d+!)?(\d+(?:\.\d+)*)")
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version string of ``distribution``, or None when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+    except Exception:  # a broken dist-info must not break the caller
+        return None
+
+
+def installed_versions(distributions: Iterable[str] = TARGET_DISTRIBUTIONS) -> dict[str, str | None]:
+    """``{distribution: version or None}`` for each name, read from metadata only."""
+    return {name: installed_version(name) for name in distributions}
+
+
+def release_tuple(version: str) -> tuple[int, ...]:
+    """The release part of a version string: ``"2.6.0a0+nv25.01"`` -> ``(2, 6, 0)``.
+
+    Raises ValueError when the string does not start with a release number.
+    """
+    match = _RELEASE.match(version)
+    if not match:
+        raise ValueError(f"not a version number: {version!r}")
+    parts = tuple(int(p) for p in match.group(1).split("."))
+    # 2.6 and 2.6.0 are the same release
+    while len(parts) > 1 and parts[-1] == 0:
+        parts = parts[:-1]
+    return parts
+
+
+def normalize(version: str) -> str:
+    """The release of ``version`` as a plain public version string (``"2.6.0.dev1+cu124"`` -> ``"2.6"``)."""
+    return ".".join(str(p) for p in release_tuple(version))
+
+
+@lru_cache(maxsize=512)
+def _specifier_set(spec: str):
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(spec.strip() if spec.strip() not in ("*", "any") else "")
+
+
+def version_in(version: str, spec: str) -> bool:
+    """True when ``version``'s release lies in the PEP 440 specifier set ``spec``.
+
+    ``"*"`` or ``""`` matches every version. Pre-release, dev and local parts of ``version`` are
+    ignored (see the module docstring), so ``version_in("2.6.0rc1", ">=2.6")`` is True and
+    ``version_in("2.6.0rc1", "<2.6")`` is False.
+
+    Raises ValueError (packaging's InvalidSpecifier) for a malformed ``spec``.
+    """
+    return _specifier_set(spec).contains(normalize(version), prereleases=True)
+
+
+def check_spec(spec: str) -> None:
+    """Raise ValueError with packaging's explanation when ``spec`` is not a valid specifier set."""
+    _specifier_set(spec)
+
+
+def satisfies(versions: Mapping[str, str | None], requirements: Mapping[str, str]) -> tuple[bool, str]:
+    """Whether installed ``versions`` meet every ``{distribution: specifier}`` in ``requirements``.
+
+    Returns ``(ok, reason)``; the reason names the first requirement that is not met, or lists the
+    versions that matched. A distribution that is not installed never satisfies a requirement.
+    """
+    matched = []
+    for dist, spec in requirements.items():
+        version = versions.get(dist)
+        if version is None:
+            return False, f"{dist} is not installed"
+        try:
+            ok = version_in(version, spec)
+        except ValueError:
+            return False, f"{dist} {version} is not a comparable version"
+        if not ok:
+            return False, f"{dist} {version} is outside {spec}"
+        matched.append(f"{dist} {version} in {spec}" if spec.strip() not in ("", "*", "any") else f"{dist} {version}")
+    return True, "; ".join(matched)

@@ -13,17 +13,42 @@ exceptions raised by the original itself always propagate untouched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Tuple, Union
 
-Wrapper = Callable[[Callable[..., Any], Any, Tuple[Any, ...], dict], Any]
-#: A wrapper, or a lazy ``"package.module:function"`` reference to one (imported only when its
-#: target is wrapped, so declaring a shim costs nothing at start-up).
-WrapperRef = Union[str, Wrapper]
+if TYPE_CHECKING:
+    Wrapper = Callable[[Callable[..., Any], Any, Tuple[Any, ...], dict], Any]
+    #: A wrapper, or a lazy ``"package.module:function"`` reference to one (imported only when its
+    #: target is wrapped, so declaring a shim costs nothing at start-up).
+    WrapperRef = Union[str, Wrapper]
 
 
-@dataclass(frozen=True)
-class Target:
+class _Record:
+    """Immutable value object (dataclasses would cost start-up time: they import inspect)."""
+
+    __slots__: Tuple[str, ...] = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def _set(self, **values: Any) -> None:
+        for name in self.__slots__:
+            object.__setattr__(self, name, values[name])
+
+    def _values(self) -> Tuple[Any, ...]:
+        return tuple(getattr(self, n) for n in self.__slots__)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self._values() == other._values()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.key if hasattr(self, "key") else None))
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
+        return f"{type(self).__name__}({fields})"
+
+
+class Target(_Record):
     """One callable to wrap.
 
     module:
@@ -42,19 +67,36 @@ class Target:
         Overrides the shim's wrapper for this target.
     """
 
+    __slots__ = ("module", "qualname", "when", "expect_params", "wrapper")
     module: str
     qualname: str
-    when: Mapping[str, str] = field(default_factory=dict)
-    expect_params: Tuple[str, ...] = ()
-    wrapper: WrapperRef | None = None
+    when: Mapping[str, str]
+    expect_params: Tuple[str, ...]
+    wrapper: WrapperRef | None
+
+    def __init__(
+        self,
+        module: str,
+        qualname: str,
+        *,
+        when: Mapping[str, str] | None = None,
+        expect_params: Tuple[str, ...] = (),
+        wrapper: WrapperRef | None = None,
+    ) -> None:
+        self._set(
+            module=module,
+            qualname=qualname,
+            when=dict(when or {}),
+            expect_params=tuple(expect_params),
+            wrapper=wrapper,
+        )
 
     @property
     def key(self) -> str:
         return f"{self.module}:{self.qualname}"
 
 
-@dataclass(frozen=True)
-class Shim:
+class Shim(_Record):
     """A workaround for one or more compat-matrix rows.
 
     id:
@@ -75,13 +117,49 @@ class Shim:
         One line for ``doctor`` and ``matrix``.
     """
 
+    __slots__ = ("id", "fixes", "targets", "wrapper", "compile_reachable", "summary", "source")
     id: str
     fixes: Tuple[str, ...]
     targets: Tuple[Target, ...]
-    wrapper: WrapperRef | None = None
-    compile_reachable: bool = False
-    summary: str = ""
-    source: str = "builtin"
+    wrapper: WrapperRef | None
+    compile_reachable: bool
+    summary: str
+    source: str
+
+    def __init__(
+        self,
+        id: str,
+        fixes: Tuple[str, ...],
+        targets: Tuple[Target, ...],
+        wrapper: WrapperRef | None = None,
+        *,
+        compile_reachable: bool = False,
+        summary: str = "",
+        source: str = "builtin",
+    ) -> None:
+        if isinstance(fixes, str):
+            fixes = (fixes,)
+        self._set(
+            id=id,
+            fixes=tuple(fixes),
+            targets=tuple(targets),
+            wrapper=wrapper,
+            compile_reachable=bool(compile_reachable),
+            summary=summary,
+            source=source,
+        )
+
+    @property
+    def key(self) -> str:
+        return self.id
+
+    def replace(self, **changes: Any) -> Shim:
+        """A copy with some fields changed (used to prefix plugin ids)."""
+        values = {n: getattr(self, n) for n in self.__slots__}
+        values.update(changes)
+        return Shim(
+            values.pop("id"), values.pop("fixes"), values.pop("targets"), values.pop("wrapper"), **values
+        )
 
     def wrapper_for(self, target: Target) -> WrapperRef:
         ref = target.wrapper if target.wrapper is not None else self.wrapper

@@ -1,0 +1,118 @@
+"""Settings from ``DEVMAP_SHIMS_*`` environment variables.
+
+=========================  ==========================================================================
+``DEVMAP_SHIMS``           ``1`` installs the shims at interpreter start (through the ``.pth`` file);
+                           ``0`` is a kill switch that beats everything, ``install()`` calls included.
+``DEVMAP_SHIMS_DISABLE``   comma-separated shim ids to leave off, or ``*`` for all.
+``DEVMAP_SHIMS_FORCE``     comma-separated shim ids to arm even outside their matrix row's range.
+``DEVMAP_SHIMS_STRICT``    ``1``: a shim that fails raises instead of logging and falling back.
+``DEVMAP_SHIMS_LOG``       ``debug``, ``info`` or ``warning``: level of the ``devmap_shims`` logger.
+``DEVMAP_SHIMS_NO_PLUGINS`` ``1``: ignore shims and matrix rows from other distributions.
+=========================  ==========================================================================
+
+A bad value never stops the program (a ``.pth`` file that raised would break every Python process
+on the machine): it gives one warning that names the variable, the value and the valid choices,
+and the setting keeps its default. Unknown shim ids are checked later, once the shim list is known.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Mapping, Optional, Tuple
+
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+ENV_ENABLE = "DEVMAP_SHIMS"
+ENV_DISABLE = "DEVMAP_SHIMS_DISABLE"
+ENV_FORCE = "DEVMAP_SHIMS_FORCE"
+ENV_STRICT = "DEVMAP_SHIMS_STRICT"
+ENV_LOG = "DEVMAP_SHIMS_LOG"
+ENV_NO_PLUGINS = "DEVMAP_SHIMS_NO_PLUGINS"
+ALL_VARIABLES = (ENV_ENABLE, ENV_DISABLE, ENV_FORCE, ENV_STRICT, ENV_LOG, ENV_NO_PLUGINS)
+
+
+class Settings:
+    """What the environment asks for. ``problems`` lists one message per bad value."""
+
+    __slots__ = ("enable", "disable", "disable_all", "force", "strict", "log_level", "no_plugins", "problems")
+
+    def __init__(self) -> None:
+        self.enable: Optional[bool] = None  # None: variable unset
+        self.disable: Tuple[str, ...] = ()
+        self.disable_all = False
+        self.force: Tuple[str, ...] = ()
+        self.strict = False
+        self.log_level: Optional[str] = None
+        self.no_plugins = False
+        self.problems: List[str] = []
+
+    @property
+    def killed(self) -> bool:
+        return self.enable is False
+
+    def as_dict(self) -> Dict[str, object]:
+        return {
+            "enable": self.enable,
+            "disable": ["*"] if self.disable_all else list(self.disable),
+            "force": list(self.force),
+            "strict": self.strict,
+            "log_level": self.log_level,
+            "no_plugins": self.no_plugins,
+        }
+
+
+def _flag(env: Mapping[str, str], name: str, settings: Settings) -> Optional[bool]:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().lower()
+    if value in TRUE:
+        return True
+    if value in FALSE:
+        return False
+    settings.problems.append(
+        f"{name}={raw!r} is not understood; use 1 or 0 (also true/false, yes/no, on/off). Ignoring it."
+    )
+    return None
+
+
+def _ids(env: Mapping[str, str], name: str) -> Tuple[str, ...]:
+    raw = env.get(name, "")
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
+def read_settings(env: Optional[Mapping[str, str]] = None) -> Settings:
+    """Parse the ``DEVMAP_SHIMS_*`` variables of ``env`` (default ``os.environ``)."""
+    env = os.environ if env is None else env
+    settings = Settings()
+    settings.enable = _flag(env, ENV_ENABLE, settings)
+    disable = _ids(env, ENV_DISABLE)
+    settings.disable_all = "*" in disable
+    settings.disable = tuple(i for i in disable if i != "*")
+    settings.force = _ids(env, ENV_FORCE)
+    settings.strict = bool(_flag(env, ENV_STRICT, settings))
+    settings.no_plugins = bool(_flag(env, ENV_NO_PLUGINS, settings))
+    level = env.get(ENV_LOG, "").strip().lower()
+    if level:
+        if level in LOG_LEVELS:
+            settings.log_level = level
+        else:
+            settings.problems.append(
+                f"{ENV_LOG}={env.get(ENV_LOG)!r} is not a log level; use one of {', '.join(LOG_LEVELS)}. "
+                "Ignoring it."
+            )
+    return settings
+
+
+def unknown_id_problems(settings: Settings, known: List[str]) -> List[str]:
+    """Messages for ids in DISABLE/FORCE that name no shim."""
+    problems = []
+    for name, ids in ((ENV_DISABLE, settings.disable), (ENV_FORCE, settings.force)):
+        for shim_id in ids:
+            if shim_id not in known:
+                problems.append(
+                    f"{name} names unknown shim {shim_id!r}; known shims: {', '.join(sorted(known))}. Ignoring it."
+                )
+    return problems

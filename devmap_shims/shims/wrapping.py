@@ -1,0 +1,211 @@
+"""Putting a wrapper on a target, finding it again, and taking only our layer off.
+
+Two kinds of wrapper:
+
+* a wrapt ``FunctionWrapper`` subclass, :class:`DevmapFunctionWrapper`, for targets that run in
+  plain Python (``infer_auto_device_map``, ``generate``, ``DiffusionPipeline.to``). It keeps the
+  original's signature, docstring and descriptor behaviour.
+* a plain ``functools.wraps`` function for targets reachable from ``torch.compile``d code
+  (``Params4bit.to``): Dynamo traces the original ``__code__`` of a wrapt proxy and silently skips
+  the wrapper, or crashes on its guards when the original has defaults.
+
+Ownership is decided by type (wrapt) or identity (plain functions), never by ``__wrapped__``:
+``GenerationMixin.generate`` already has a ``__wrapped__`` from ``torch.no_grad()``, and a marker
+attribute on our proxy is visible through a foreign proxy stacked on top of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from types import ModuleType
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+GuardedCall = Callable[[Callable[..., Any], Any, Tuple[Any, ...], Dict[str, Any]], Any]
+
+_wrapper_type: Optional[type] = None
+
+
+def devmap_wrapper_type() -> type:
+    """The wrapt ``FunctionWrapper`` subclass that marks our layer (wrapt is imported on first use)."""
+    global _wrapper_type
+    if _wrapper_type is None:
+        import wrapt
+
+        class DevmapFunctionWrapper(wrapt.FunctionWrapper):  # type: ignore[misc, name-defined]
+            """A devmap_shims layer. Recognised by ``type(x) is DevmapFunctionWrapper``."""
+
+            def __reduce_ex__(self, protocol: int) -> Any:
+                # Pickle by reference to the wrapped callable: a pickled function or method must
+                # load in a process where devmap_shims is not installed.
+                return self.__wrapped__.__reduce_ex__(protocol)
+
+        _wrapper_type = DevmapFunctionWrapper
+    return _wrapper_type
+
+
+def resolve(module: ModuleType, qualname: str) -> Tuple[Any, str, Any]:
+    """``(owner, attribute name, raw attribute)`` for ``qualname`` inside ``module``.
+
+    Class attributes are read from ``vars()`` along the MRO so that descriptors (staticmethod,
+    classmethod, functions) are seen unbound. Raises AttributeError naming what is missing.
+    """
+    parts = qualname.split(".")
+    owner: Any = module
+    for part in parts[:-1]:
+        owner = getattr(owner, part)
+    name = parts[-1]
+    if isinstance(owner, type):
+        for klass in owner.__mro__:
+            if name in vars(klass):
+                if klass is not owner:
+                    # Inherited: wrap where it is defined, so every subclass sees the fix.
+                    owner = klass
+                return owner, name, vars(klass)[name]
+        raise AttributeError(f"{module.__name__}.{qualname} does not exist")
+    if name not in vars(owner):
+        raise AttributeError(f"{module.__name__}.{qualname} does not exist")
+    return owner, name, vars(owner)[name]
+
+
+def callable_of(raw: Any) -> Any:
+    """The function behind a raw attribute (unwraps staticmethod/classmethod)."""
+    return raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+
+
+def make_proxy(raw: Any, guarded: GuardedCall) -> Any:
+    """A wrapt layer around ``raw`` (function, method, staticmethod or classmethod)."""
+    return devmap_wrapper_type()(raw, guarded)
+
+
+def make_plain(raw: Any, guarded: GuardedCall, owner: Any) -> Any:
+    """A ``functools.wraps`` replacement for ``raw`` that Dynamo can trace."""
+    func = callable_of(raw)
+    if isinstance(raw, staticmethod) or not isinstance(owner, type):
+
+        @functools.wraps(func)
+        def plain_function(*args: Any, **kwargs: Any) -> Any:
+            return guarded(func, None, args, kwargs)
+
+        return staticmethod(plain_function) if isinstance(raw, staticmethod) else plain_function
+
+    if isinstance(raw, classmethod):
+
+        @functools.wraps(func)
+        def plain_classmethod(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            return guarded(func.__get__(cls, type(cls)), cls, args, kwargs)
+
+        return classmethod(plain_classmethod)
+
+    @functools.wraps(func)
+    def plain_method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return guarded(func.__get__(self, type(self)), self, args, kwargs)
+
+    return plain_method
+
+
+_OURS: Dict[int, Tuple[Any, Any]] = {}
+
+
+def remember(layer: Any, original: Any) -> None:
+    """Record ``layer`` as ours, wrapping ``original``."""
+    _OURS[id(layer)] = (layer, original)
+
+
+def forget(layer: Any) -> None:
+    _OURS.pop(id(layer), None)
+
+
+def owned_original(obj: Any) -> Any:
+    """The original behind ``obj`` if ``obj`` is one of our layers, else None."""
+    record = _OURS.get(id(obj))
+    if record is not None and record[0] is obj:
+        return record[1]
+    return None
+
+
+def is_ours(obj: Any) -> bool:
+    return owned_original(obj) is not None
+
+
+def splice_out(owner: Any, name: str, layer: Any, original: Any) -> str:
+    """Remove our ``layer`` from the attribute ``owner.name``, leaving foreign layers in place.
+
+    Returns ``"removed"`` (we were on top, original restored), ``"spliced"`` (a foreign wrapt layer
+    on top now wraps the original directly), ``"absent"`` (our layer is no longer there) or
+    ``"buried"`` (a foreign non-wrapt layer holds ours in a closure: it cannot be taken out, so the
+    caller leaves it switched off).
+    """
+    current = vars(owner).get(name) if isinstance(owner, type) or isinstance(owner, ModuleType) else getattr(
+        owner, name, None
+    )
+    if current is layer:
+        setattr(owner, name, original)
+        return "removed"
+    outer = current
+    seen = 0
+    while outer is not None and seen < 64:
+        seen += 1
+        inner = _inner_of(outer)
+        if inner is None:
+            return "absent"
+        if inner is layer:
+            if _is_wrapt_proxy(outer):
+                outer.__wrapped__ = original
+                return "spliced"
+            return "buried"
+        outer = inner
+    return "absent"
+
+
+def _inner_of(obj: Any) -> Any:
+    try:
+        inner = obj.__wrapped__
+    except Exception:
+        inner = None
+    if inner is None and isinstance(obj, (staticmethod, classmethod)):
+        inner = obj.__func__
+    return inner
+
+
+def _is_wrapt_proxy(obj: Any) -> bool:
+    wrapt = sys.modules.get("wrapt")
+    if wrapt is None:
+        return False
+    base = getattr(wrapt, "BaseObjectProxy", None) or getattr(wrapt, "ObjectProxy")
+    return isinstance(obj, base)
+
+
+def rebind_aliases(original: Any, replacement: Any, skip_prefixes: Tuple[str, ...] = ("devmap_shims",)) -> List[Tuple[str, str]]:
+    """Point every by-name copy of ``original`` in ``sys.modules`` at ``replacement``.
+
+    ``from accelerate.utils import infer_auto_device_map`` made before the wrapper existed leaves a
+    copy of the original in the importing module; this finds such copies by identity (reading
+    ``__dict__`` so lazy modules' ``__getattr__`` is never triggered) and returns
+    ``[(module name, attribute)]`` so that uninstall can put them back.
+    """
+    rebound = []
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or mod_name.startswith(skip_prefixes):
+            continue
+        try:
+            namespace = module.__dict__
+        except Exception:
+            continue
+        try:
+            hits = [key for key, value in list(namespace.items()) if value is original]
+        except Exception:
+            continue
+        for key in hits:
+            namespace[key] = replacement
+            rebound.append((mod_name, key))
+    return rebound
+
+
+def restore_aliases(rebound: List[Tuple[str, str]], original: Any, replacement: Any) -> None:
+    """Undo :func:`rebind_aliases` where the copy still holds our replacement."""
+    for mod_name, key in rebound:
+        module = sys.modules.get(mod_name)
+        namespace = getattr(module, "__dict__", None)
+        if namespace is not None and namespace.get(key) is replacement:
+            namespace[key] = original

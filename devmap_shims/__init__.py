@@ -39,6 +39,7 @@ def __getattr__(name: str) -> Any:
 
 
 _EXTRA_SHIMS: List[Shim] = []
+_EXTRA_ROWS: List[Dict[str, Any]] = []
 
 
 def _as_tuple(ids: Optional[Iterable[str]]) -> Optional[tuple]:
@@ -111,6 +112,7 @@ def install(
             more, shim_problems = catalog.plugin_shims([s.id for s in shims], [r["id"] for r in rows])
             shims.extend(more)
             problems += row_problems + shim_problems
+        registry.extra_rows = registry.extra_rows + [dict(r) for r in _EXTRA_ROWS]
         shims.extend(s for s in _EXTRA_SHIMS if s.id not in {x.id for x in shims})
         problems += config.unknown_id_problems(settings, [s.id for s in shims])
         id_problems = reg.select(
@@ -162,10 +164,11 @@ def is_installed() -> bool:
     return reg.REGISTRY.installed
 
 
-def register(shim: Shim) -> None:
-    """Add a shim of your own (for plugins without a distribution, or tests).
+def register(shim: Shim, matrix_rows: Iterable[Dict[str, Any]] = ()) -> None:
+    """Add a shim of your own, with the matrix rows it fixes (same fields as ``known_bugs.toml``).
 
-    If the shims are already installed it is armed at once; otherwise at the next ``install()``.
+    For shims that do not come from a plugin distribution. If the shims are already installed it is
+    armed at once; otherwise at the next ``install()``.
     """
     from devmap_shims.shims import registry as reg
 
@@ -176,7 +179,10 @@ def register(shim: Shim) -> None:
         if any(s.id == shim.id for s in _EXTRA_SHIMS) or shim.id in registry.shims:
             raise ValueError(f"a shim with id {shim.id!r} is already registered")
         _EXTRA_SHIMS.append(shim)
+        _EXTRA_ROWS.extend(dict(r, source=r.get("source", f"register({shim.id!r})")) for r in matrix_rows)
         if registry.installed:
+            registry.extra_rows = registry.extra_rows + [dict(r) for r in _EXTRA_ROWS if r not in registry.extra_rows]
+            registry.reset_knowledge()
             entry = reg.ShimEntry(shim)
             entry.targets = [reg.TargetEntry(entry, t) for t in shim.targets]
             registry.shims[shim.id] = entry

@@ -1,0 +1,5 @@
+import sys
+
+from devmap_shims.cli import main
+
+sys.exit(main())

@@ -1,0 +1,293 @@
+"""install / uninstall / status on fake target modules (no torch)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import sys
+
+import pytest
+import wrapt
+
+import devmap_shims
+from devmap_shims import Shim, Target
+from devmap_shims.shims import wrapping
+
+from .conftest import add_one, fake_row
+
+
+def register_fake(target="compute", wrapper=add_one, spec=">=1.0,<2.0", **shim_kw):
+    shim = Shim("fake-fix", ("fake-bug",), (Target("fakelib.core", target, **shim_kw.pop("target_kw", {})),), wrapper, **shim_kw)
+    devmap_shims.register(shim, matrix_rows=[fake_row(spec=spec)])
+    return shim
+
+
+def shim_status(shim_id="fake-fix"):
+    return next(s for s in devmap_shims.status()["shims"] if s["id"] == shim_id)
+
+
+def test_install_then_import_wraps_defining_module_and_every_copy(fake_stack):
+    register_fake()
+    assert devmap_shims.install(only=["fake-fix"])
+    assert shim_status()["state"] == "pending"
+    import fakeconsumer
+    import fakelib
+    import fakelib.core
+
+    assert fakelib.core.compute(3) == 7
+    assert fakelib.compute(3) == 7
+    assert fakeconsumer.compute(3) == 7 and fakeconsumer.compute_again(3) == 7
+    assert fakeconsumer.use(3) == 7
+    state = shim_status()
+    assert state["state"] == "active"
+    assert state["targets"][0]["rebound"] == []  # hooked early: every copy bound the wrapper itself
+
+
+def test_import_then_install_rebinds_by_name_copies(fake_stack):
+    import fakeconsumer
+    import fakelib
+    import fakelib.core
+
+    original = fakelib.core.compute
+    register_fake()
+    devmap_shims.install(only=["fake-fix"])
+    assert fakelib.core.compute(3) == 7
+    assert fakeconsumer.compute(3) == 7 and fakeconsumer.use(3) == 7 and fakelib.compute(3) == 7
+    rebound = set(shim_status()["targets"][0]["rebound"])
+    assert {"fakeconsumer.compute", "fakeconsumer.compute_again", "fakelib.compute"} <= rebound
+    devmap_shims.uninstall()
+    assert fakelib.core.compute is original
+    assert fakeconsumer.compute is original and fakelib.compute is original and fakeconsumer.compute_again is original
+    assert fakeconsumer.use(3) == 6
+
+
+def test_install_twice_is_a_noop_and_wraps_once(fake_stack):
+    register_fake()
+    devmap_shims.install(only=["fake-fix"])
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    assert fakelib.core.compute(3) == 7  # not 8: one layer
+    inner = fakelib.core.compute.__wrapped__
+    assert not wrapping.is_ours(inner)
+
+
+def test_install_again_with_other_arguments_warns(fake_stack, caplog):
+    register_fake()
+    devmap_shims.install(only=["fake-fix"])
+    with caplog.at_level(logging.WARNING, logger="devmap_shims"):
+        devmap_shims.install(exclude=["fake-fix"])
+    assert "already called with other arguments" in caplog.text
+
+
+def test_install_uninstall_install(fake_stack):
+    register_fake()
+    import fakelib.core
+
+    original = fakelib.core.compute
+    for _ in range(2):
+        devmap_shims.install(only=["fake-fix"])
+        assert fakelib.core.compute(3) == 7
+        assert devmap_shims.uninstall()
+        assert fakelib.core.compute is original
+    assert devmap_shims.uninstall() is False  # uninstall without install
+
+
+def test_uninstall_before_import_cancels_the_hook(fake_stack):
+    register_fake()
+    devmap_shims.install(only=["fake-fix"])
+    devmap_shims.uninstall()
+    import fakelib.core
+
+    assert fakelib.core.compute(3) == 6
+    assert not wrapping.is_ours(fakelib.core.compute)
+
+
+def test_foreign_wrapt_layer_on_top_survives_uninstall(fake_stack):
+    register_fake()
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    original = fakelib.core.compute.__wrapped__
+    wrapt.wrap_function_wrapper(fakelib.core, "compute", lambda w, i, a, k: w(*a, **k) * 10)
+    assert fakelib.core.compute(3) == 70
+    devmap_shims.uninstall()
+    foreign = fakelib.core.compute
+    assert isinstance(foreign, wrapt.FunctionWrapper) and not wrapping.is_ours(foreign)
+    assert foreign.__wrapped__ is original
+    assert fakelib.core.compute(3) == 60
+
+
+def test_foreign_wrapt_layer_below_is_kept(fake_stack):
+    import fakelib.core
+
+    wrapt.wrap_function_wrapper(fakelib.core, "compute", lambda w, i, a, k: w(*a, **k) * 10)
+    foreign = fakelib.core.compute
+    register_fake()
+    devmap_shims.install(only=["fake-fix"])
+    assert fakelib.core.compute(3) == 61
+    devmap_shims.uninstall()
+    assert fakelib.core.compute is foreign
+
+
+def test_existing_dunder_wrapped_is_not_mistaken_for_ours(fake_stack):
+    """transformers' generate carries __wrapped__ from torch.no_grad(): still wrap it."""
+    import functools
+
+    import fakelib.core
+
+    plain = fakelib.core.compute
+
+    @functools.wraps(plain)
+    def decorated(*a, **k):
+        return plain(*a, **k)
+
+    fakelib.core.compute = decorated
+    register_fake()
+    devmap_shims.install(only=["fake-fix"])
+    assert fakelib.core.compute(3) == 7
+    assert shim_status()["state"] == "active"
+
+
+def test_bug_outside_range_is_skipped_with_reason_and_force_arms_it(fake_stack):
+    register_fake(spec=">=2.0")
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    assert fakelib.core.compute(3) == 6
+    state = shim_status()
+    assert state["state"] == "skipped" and not state["applies"]
+    assert "fakelib 1.2.0 is outside >=2.0" in state["targets"][0]["reason"]
+    devmap_shims.uninstall()
+    devmap_shims.install(only=["fake-fix"], force=["fake-fix"])
+    assert fakelib.core.compute(3) == 7
+    assert shim_status()["forced"] is True
+
+
+def test_target_when_gate_skips_target_for_other_consumer_versions(fake_stack):
+    register_fake(target_kw={"when": {"fakelib": ">=5"}})
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    assert fakelib.core.compute(3) == 6
+    assert "target not used on this stack" in shim_status()["targets"][0]["reason"]
+
+
+def test_signature_drift_skips(fake_stack):
+    register_fake(target_kw={"expect_params": ("x", "scale", "device")})
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    assert fakelib.core.compute(3) == 6
+    reason = shim_status()["targets"][0]["reason"]
+    assert "signature drift" in reason and "device" in reason
+
+
+def test_missing_target_is_skipped(fake_stack):
+    register_fake(target="no_such_function")
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core  # noqa: F401
+
+    assert "target missing" in shim_status()["targets"][0]["reason"]
+
+
+def test_only_and_exclude_select(fake_stack):
+    register_fake()
+    devmap_shims.install(exclude=["fake-fix"])
+    import fakelib.core
+
+    assert fakelib.core.compute(3) == 6
+    state = shim_status()
+    assert state["selected"] is False and state["state"] == "skipped"
+
+
+def test_unknown_ids_warn_or_raise_in_strict(fake_stack, caplog):
+    register_fake()
+    with caplog.at_level(logging.WARNING, logger="devmap_shims"):
+        assert devmap_shims.install(only=["fake-fxi"])
+    assert "unknown shim 'fake-fxi'" in caplog.text and "did you mean 'fake-fix'" in caplog.text
+    devmap_shims.uninstall()
+    with pytest.raises(ValueError, match="fake-fxi"):
+        devmap_shims.install(force=["fake-fxi"], strict=True)
+    assert not devmap_shims.is_installed()
+
+
+def test_signature_and_docs_are_the_originals(fake_stack):
+    import fakelib.core
+
+    original = fakelib.core.compute
+    register_fake()
+    devmap_shims.install(only=["fake-fix"])
+    assert inspect.signature(fakelib.core.compute) == inspect.signature(original)
+    assert fakelib.core.compute.__doc__ == original.__doc__ and fakelib.core.compute.__name__ == "compute"
+
+
+@pytest.mark.parametrize("qualname", ["Thing.to", "Thing.make", "Thing.describe"])
+@pytest.mark.parametrize("compile_reachable", [False, True])
+def test_methods_classmethods_staticmethods(fake_stack, qualname, compile_reachable):
+    import fakelib.core
+
+    seen = []
+
+    def spy(wrapped, instance, args, kwargs):
+        seen.append((instance, args))
+        return wrapped(*args, **kwargs)
+
+    owner = fakelib.core.Thing
+    raw = vars(owner)[qualname.split(".")[1]]
+    register_fake(target=qualname, wrapper=spy, compile_reachable=compile_reachable)
+    devmap_shims.install(only=["fake-fix"])
+    thing = fakelib.core.SubThing("cpu")
+    if qualname == "Thing.to":
+        assert thing.to("cuda:1").device == "cuda:1"
+        assert seen == [(thing, ("cuda:1",))]
+    elif qualname == "Thing.make":
+        assert fakelib.core.SubThing.make("cuda:2").device == "cuda:2"
+        assert seen == [(fakelib.core.SubThing, ("cuda:2",))]
+    else:
+        assert thing.describe(5) == "thing 5"
+        assert seen[0][1] == (5,)
+    layer = vars(owner)[qualname.split(".")[1]]
+    if compile_reachable:
+        assert not isinstance(layer, wrapt.FunctionWrapper)
+        assert inspect.isfunction(wrapping.callable_of(layer))
+    devmap_shims.uninstall()
+    assert vars(owner)[qualname.split(".")[1]] is raw
+
+
+def test_status_is_plain_data(fake_stack):
+    import json
+
+    register_fake()
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core  # noqa: F401
+
+    data = devmap_shims.status()
+    json.dumps(data)  # plain data
+    assert data["installed"] is True
+    assert {"versions", "shims", "warnings", "imported_before_install", "auto_enabled"} <= set(data)
+    assert data["versions"]["fakelib"] == "1.2.0"
+
+
+def test_kill_switch_beats_install(fake_stack, monkeypatch):
+    monkeypatch.setenv("DEVMAP_SHIMS", "0")
+    register_fake()
+    assert devmap_shims.install(only=["fake-fix"], force=["fake-fix"]) is False
+    import fakelib.core
+
+    assert fakelib.core.compute(3) == 6
+    assert devmap_shims.status()["killed"] is True
+
+
+def test_env_disable_and_force(fake_stack, monkeypatch):
+    register_fake(spec=">=2.0")
+    monkeypatch.setenv("DEVMAP_SHIMS_FORCE", "fake-fix")
+    devmap_shims.install()
+    import fakelib.core
+
+    assert fakelib.core.compute(3) == 7
+    devmap_shims.uninstall()
+    monkeypatch.setenv("DEVMAP_SHIMS_DISABLE", "*")
+    devmap_shims.install()
+    assert fakelib.core.compute(3) == 6

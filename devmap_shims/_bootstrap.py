@@ -34,7 +34,15 @@ def run_from_startup() -> None:
         print(f"devmap_shims: auto-enable failed ({type(exc).__name__}: {exc}); running without shims", file=sys.stderr)
 
 
+_warned = False
+
+
 def _warn_bad(value: str) -> None:
+    # Virtualenvs with a lib64 -> lib symlink make site.py read the same .pth twice: warn once.
+    global _warned
+    if _warned:
+        return
+    _warned = True
     import logging
 
     logging.getLogger("devmap_shims").warning(

@@ -100,9 +100,21 @@ class Registry:
     # -- knowledge -----------------------------------------------------------------------------
     def matrix(self) -> Any:
         if self._matrix is None:
-            from devmap_shims.compat_matrix import load_matrix
+            from devmap_shims.compat_matrix import MatrixError, load_matrix
 
-            self._matrix = load_matrix(extra_rows=self.extra_rows)
+            try:
+                self._matrix = load_matrix(extra_rows=self.extra_rows)
+            except MatrixError:
+                # One malformed plugin row must not take the built-in rows down with it.
+                good: List[Dict[str, Any]] = []
+                for row in self.extra_rows:
+                    try:
+                        load_matrix(extra_rows=good + [row])
+                    except MatrixError as exc:
+                        self.warn(f"{exc}; the row is ignored")
+                    else:
+                        good.append(row)
+                self._matrix = load_matrix(extra_rows=good)
         return self._matrix
 
     def versions(self) -> Dict[str, Optional[str]]:

@@ -19,7 +19,8 @@ from .conftest import add_one, fake_row
 
 def register_fake(target="compute", wrapper=add_one, spec=">=1.0,<2.0", **shim_kw):
     shim = Shim("fake-fix", ("fake-bug",), (Target("fakelib.core", target, **shim_kw.pop("target_kw", {})),), wrapper, **shim_kw)
-    devmap_shims.register(shim, matrix_rows=[fake_row(spec=spec)])
+    fixed = {"fakelib": "2.0.0"} if spec == ">=1.0,<2.0" else "unfixed"
+    devmap_shims.register(shim, matrix_rows=[fake_row(spec=spec, fixed_in=fixed, last_checked="2026-11-01")])
     return shim
 
 

@@ -1,0 +1,73 @@
+"""Start-up behaviour in fresh interpreters: no target imports, auto-enable, bad variables."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+TARGETS = ("torch", "transformers", "accelerate", "bitsandbytes", "diffusers")
+
+
+def run_python(code: str, **env_overrides: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
+    env.update(env_overrides)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_import_and_install_import_no_target_library():
+    proc = run_python(
+        "import sys, json, devmap_shims; devmap_shims.install(); "
+        f"print(json.dumps([m for m in {TARGETS!r} if m in sys.modules]))"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []
+
+
+def test_auto_enable_through_pth():
+    proc = run_python(
+        "import sys, devmap_shims; st = devmap_shims.status(); "
+        "print(devmap_shims.is_installed(), st['auto_enabled'], 'torch' in sys.modules)",
+        DEVMAP_SHIMS="1",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True", "False"]
+
+
+def test_unset_variable_installs_nothing():
+    proc = run_python("import sys; print('devmap_shims' in sys.modules)")
+    assert proc.stdout.strip() == "False"  # the .pth line costs one lookup and imports nothing
+
+
+def test_kill_switch_in_environment():
+    proc = run_python("import devmap_shims; print(devmap_shims.install(), devmap_shims.is_installed())", DEVMAP_SHIMS="0")
+    assert proc.stdout.split() == ["False", "False"]
+
+
+def test_bad_enable_value_warns_once_and_program_goes_on():
+    proc = run_python("print('still running')", DEVMAP_SHIMS="maybe")
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == "still running"
+    assert proc.stderr.count("DEVMAP_SHIMS='maybe'") == 1
+    assert "use 1" in proc.stderr and "0" in proc.stderr
+
+
+def test_bad_values_in_other_variables_are_named(tmp_path):
+    proc = run_python(
+        "import devmap_shims; devmap_shims.install(); print(devmap_shims.is_installed())",
+        DEVMAP_SHIMS_STRICT="sometimes",
+        DEVMAP_SHIMS_LOG="loud",
+        DEVMAP_SHIMS_DISABLE="no-such-shim",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "True"
+    assert "DEVMAP_SHIMS_STRICT='sometimes'" in proc.stderr
+    assert "DEVMAP_SHIMS_LOG='loud'" in proc.stderr and "debug, info, warning" in proc.stderr
+    assert "DEVMAP_SHIMS_DISABLE names unknown shim 'no-such-shim'" in proc.stderr
+
+
+def test_python_dash_m_and_console_script_agree():
+    a = subprocess.run([sys.executable, "-m", "devmap_shims", "matrix", "--json"], capture_output=True, text=True)
+    assert a.returncode == 0, a.stderr
+    assert json.loads(a.stdout)["rows"]

@@ -22,7 +22,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, Optional
 
 from devmap_shims.compat_matrix._schema import (
@@ -65,8 +64,8 @@ class BugRow:
     id: str
     title: str
     library: str
-    affected: Mapping[str, str]
-    fixed_in: Mapping[str, str] | str
+    affected: dict[str, str]
+    fixed_in: dict[str, str] | str
     symptom: str
     root_cause: str
     upstream: tuple[str, ...]
@@ -79,10 +78,12 @@ class BugRow:
     source: str = BUILTIN_SOURCE
 
     def __post_init__(self) -> None:
-        # read-only views, so a shared cached row cannot be edited by a caller
-        object.__setattr__(self, "affected", MappingProxyType(dict(self.affected)))
+        # own plain-dict copies (callers test ``isinstance(row.fixed_in, dict)``); tuples for lists
+        object.__setattr__(self, "affected", dict(self.affected))
         if self.fixed_in != UNFIXED:
-            object.__setattr__(self, "fixed_in", MappingProxyType(dict(self.fixed_in)))
+            object.__setattr__(self, "fixed_in", dict(self.fixed_in))
+        object.__setattr__(self, "upstream", tuple(self.upstream))
+        object.__setattr__(self, "verification", tuple(self.verification))
 
     def __hash__(self) -> int:
         return hash((self.source, self.id))

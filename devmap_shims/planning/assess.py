@@ -1,0 +1,192 @@
+"""Judge a device map against the rules of a healthy multi-GPU placement.
+
+A map computed for ``device_map="auto" | "balanced" | "balanced_low_0"`` is *degenerate* when
+(checked in this order, the first that holds is the verdict):
+
+``collapsed``
+    two or more GPUs have budget, the model is larger than one balanced share, and every module
+    landed on a single GPU (huggingface/transformers#34751: Gemma-2-27B in 4-bit on 8 GPUs).
+``offloaded``
+    modules went to the CPU or disk although some GPU still has room for one of them
+    (after keeping aside, on the main GPU, room for the largest offloaded block, which
+    accelerate needs to stream it back in).
+``skipped GPU``
+    a GPU that could have held the next module is left empty while a later GPU is used
+    (balanced_low_0 exempts GPU 0, which it keeps empty on purpose).
+``imbalanced``
+    the busiest GPU holds more than ``tolerance`` (1.10) times the lower bound
+    ``max(total / number of GPUs, largest unsplittable block)``.
+
+Anything else is ``ok``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional
+
+from devmap_shims.planning.layout import Layout
+from devmap_shims.planning.sizes import format_bytes
+
+TOLERANCE = 1.10
+OK, COLLAPSED, OFFLOADED, SKIPPED, IMBALANCED = "ok", "collapsed", "offloaded", "skipped GPU", "imbalanced"
+
+
+def gpu_ids(budgets: Mapping[Any, float]) -> List[int]:
+    """GPU ids (integer keys) that have a positive budget, in order."""
+    return sorted(k for k, v in budgets.items() if isinstance(k, int) and not isinstance(k, bool) and v > 0)
+
+
+@dataclass
+class Assessment:
+    verdict: str
+    bytes_per_device: Dict[Any, int]
+    gpus: List[int]
+    max_gpu_load: int
+    lower_bound: int
+    offloaded: int
+    skipped: List[int] = field(default_factory=list)
+    collapsed: bool = False
+    overfull: List[Any] = field(default_factory=list)
+    problems: List[str] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        """Busiest GPU over the lower bound (1.0 is a perfect split)."""
+        return self.max_gpu_load / self.lower_bound if self.lower_bound else 1.0
+
+    @property
+    def used_gpus(self) -> List[int]:
+        return [g for g in self.gpus if self.bytes_per_device.get(g, 0) > 0]
+
+    def badness(self) -> tuple:
+        """Orders maps from worst to best; a repair must be strictly better than the original."""
+        return (len(self.overfull), self.offloaded, self.collapsed, len(self.skipped), self.max_gpu_load)
+
+    def summary(self) -> str:
+        used = self.used_gpus
+        where = f"GPU {used[0]}" if len(used) == 1 else (f"GPUs {_ranges(used)}" if used else "no GPU")
+        text = f"{self.verdict}: {where}, busiest GPU {format_bytes(self.max_gpu_load)} ({self.ratio:.2f}x lower bound)"
+        if self.offloaded:
+            text += f", {format_bytes(self.offloaded)} offloaded"
+        return text
+
+
+def _ranges(ids: List[int]) -> str:
+    parts, start, prev = [], None, None
+    for i in ids:
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = prev = i
+    if start is not None:
+        parts.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ",".join(parts)
+
+
+def active_gpus(budgets: Mapping[Any, float], low_zero: bool) -> List[int]:
+    gpus = gpu_ids(budgets)
+    return gpus[1:] if low_zero and len(gpus) > 1 else gpus
+
+
+def lower_bound(layout: Layout, budgets: Mapping[Any, float], low_zero: bool = False) -> int:
+    """max(total / GPUs in use, largest unsplittable block): no split can beat it."""
+    n = len(active_gpus(budgets, low_zero)) or 1
+    return max(-(-layout.total // n), layout.largest)
+
+
+def assess(
+    layout: Layout,
+    unit_devices: Mapping[str, Any],
+    budgets: Mapping[Any, float],
+    low_zero: bool = False,
+    tolerance: float = TOLERANCE,
+) -> Assessment:
+    """Verdict on ``unit_devices`` (unit name -> device) under per-device ``budgets``."""
+    per_device = layout.bytes_per_device(unit_devices)
+    gpus = gpu_ids(budgets)
+    active = active_gpus(budgets, low_zero)
+    loads = {g: per_device.get(g, 0) for g in gpus}
+    max_load = max([per_device.get(d, 0) for d in per_device if d not in ("cpu", "disk")] or [0])
+    bound = lower_bound(layout, budgets, low_zero)
+    sequence = [(u, unit_devices[u.name]) for u in layout.placed]
+    offloaded_units = [u for u, d in sequence if d in ("cpu", "disk")]
+    offloaded = sum(u.size for u in offloaded_units)
+    problems: List[str] = []
+
+    overfull = [d for d, b in per_device.items() if d in budgets and d != "disk" and b > budgets[d]]
+    for d in overfull:
+        problems.append(f"{_dev(d)} holds {format_bytes(per_device[d])}, over its {format_bytes(budgets[d])} budget")
+
+    used = [g for g in gpus if loads[g] > 0]
+    collapsed = len(active) >= 2 and len(used) == 1 and layout.total > tolerance * bound
+    if collapsed:
+        problems.append(
+            f"all modules on GPU {used[0]} while {len(active)} GPUs have budget "
+            f"(a balanced split needs about {format_bytes(bound)} per GPU)"
+        )
+
+    if offloaded_units:
+        reserve = max(u.size for u in offloaded_units)
+        main = gpus[0] if gpus else None
+        smallest = min(u.size for u in offloaded_units)
+        roomy = [
+            g for g in gpus
+            if budgets[g] - loads[g] - (reserve if g == main else 0) >= max(smallest, 1)
+        ]
+        if roomy:
+            problems.append(
+                f"{format_bytes(offloaded)} offloaded to CPU/disk while GPU {_ranges(roomy)} still "
+                f"has room for it"
+            )
+        else:
+            offloaded_units = []
+
+    skipped: List[int] = []
+    first_unit_on: Dict[Any, int] = {}
+    for u, d in sequence:
+        first_unit_on.setdefault(d, u.size)
+    for i, g in enumerate(gpus):
+        if loads[g] > 0 or (low_zero and g == gpus[0] and len(gpus) > 1):
+            continue
+        later = [h for h in gpus[i + 1:] if loads[h] > 0]
+        if later and budgets[g] >= first_unit_on[later[0]]:
+            skipped.append(g)
+    if skipped:
+        problems.append(f"GPU {_ranges(skipped)} left empty while GPU {_ranges(used)} hold the model")
+
+    if max_load > tolerance * bound and not collapsed:
+        problems.append(
+            f"busiest GPU holds {format_bytes(max_load)}, {max_load / bound:.2f}x the lower bound "
+            f"{format_bytes(bound)}"
+        )
+
+    if collapsed:
+        verdict = COLLAPSED
+    elif offloaded_units:
+        verdict = OFFLOADED
+    elif skipped:
+        verdict = SKIPPED
+    elif max_load > tolerance * bound:
+        verdict = IMBALANCED
+    else:
+        verdict = OK
+    return Assessment(
+        verdict=verdict,
+        bytes_per_device=per_device,
+        gpus=gpus,
+        max_gpu_load=max_load,
+        lower_bound=bound,
+        offloaded=offloaded,
+        skipped=skipped,
+        collapsed=collapsed,
+        overfull=overfull,
+        problems=problems,
+    )
+
+
+def _dev(d: Any) -> str:
+    return f"GPU {d}" if isinstance(d, int) else str(d)

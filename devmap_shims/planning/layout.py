@@ -1,0 +1,207 @@
+"""A model reduced to what placement needs: an ordered sequence of unsplittable units.
+
+accelerate walks a model in module order (a module's own parameters, then its children, then its
+own buffers) and splits a module into its children unless it is childless or its class is in the
+no-split list. The same walk gives the *units* here: every unit must land on exactly one device,
+and placing units in this order, contiguously, keeps activations flowing forward through the
+dispatch hooks.
+
+Tied weights (a tied ``lm_head`` sharing ``embed_tokens.weight``) must share a device. The later
+units of a tied group *follow* the earliest one: they are removed from the sequence that gets
+partitioned and are given their anchor's device, which is what accelerate's own placer does.
+
+:func:`layout_from_module` reads an ``nn.Module`` by duck typing (``named_children`` &
+co.), so this module imports no torch; :class:`Layout` can also be built from plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    size: int
+
+
+@dataclass
+class Layout:
+    """Units in placement order, plus the module tree needed to write a compact device map.
+
+    children:
+        For every module that was split, its direct entries in walk order (full names). A name
+        without an entry here is a unit.
+    followers:
+        Unit name -> the anchor unit whose device it shares (tied weights).
+    """
+
+    units: List[Unit]
+    children: Dict[str, List[str]] = field(default_factory=dict)
+    followers: Dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._index = {u.name: i for i, u in enumerate(self.units)}
+        merged = {u.name: u.size for u in self.units}
+        for follower, anchor in self.followers.items():
+            merged[anchor] += merged.pop(follower)
+        #: the sequence that is partitioned: anchors carry their followers' bytes
+        self.placed: List[Unit] = [Unit(u.name, merged[u.name]) for u in self.units if u.name in merged]
+
+    @property
+    def total(self) -> int:
+        return sum(u.size for u in self.units)
+
+    @property
+    def largest(self) -> int:
+        """Largest unsplittable block, tied partners included (a lower bound on any GPU's load)."""
+        return max((u.size for u in self.placed), default=0)
+
+    def unit_of(self, tensor_or_module: str) -> Optional[str]:
+        """The unit holding a parameter / module name (itself, or its nearest enclosing unit)."""
+        name = tensor_or_module
+        while True:
+            if name in self._index:
+                return name
+            if not name:
+                return None
+            name = name.rpartition(".")[0]
+
+    # -- device maps -------------------------------------------------------------------------
+
+    def unit_devices(self, device_map: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
+        """Device of every unit under ``device_map`` (longest matching prefix), or None when the
+        map places something finer than a unit (a split no-split block) or misses a unit."""
+        out: Dict[str, Any] = {}
+        for unit in self.units:
+            name = unit.name
+            while True:
+                if name in device_map:
+                    out[unit.name] = device_map[name]
+                    break
+                if not name:
+                    return None
+                name = name.rpartition(".")[0]
+        prefixes = {u.name + "." for u in self.units if u.name}
+        for key in device_map:
+            if key and any(key.startswith(p) for p in prefixes if len(key) > len(p)):
+                return None
+        return out
+
+    def bytes_per_device(self, unit_devices: Mapping[str, Any]) -> Dict[Any, int]:
+        out: Dict[Any, int] = {}
+        for unit in self.units:
+            device = unit_devices[unit.name]
+            out[device] = out.get(device, 0) + unit.size
+        return out
+
+    def compact_map(self, unit_devices: Mapping[str, Any]) -> Dict[str, Any]:
+        """Smallest device map giving every unit its device, in module order (like accelerate's
+        ``clean_device_map``: a module whose units all share a device becomes one entry)."""
+
+        def walk(name: str) -> List[Tuple[str, Any]]:
+            kids = self.children.get(name)
+            if kids is None:
+                return [(name, unit_devices[name])]
+            entries: List[Tuple[str, Any]] = []
+            for kid in kids:
+                entries.extend(walk(kid))
+            devices = {repr(d) for _, d in entries}
+            if len(devices) == 1 and entries:
+                return [(name, entries[0][1])]
+            return entries
+
+        return dict(walk(""))
+
+    def unit_map(self, unit_devices: Mapping[str, Any]) -> Dict[str, Any]:
+        """Uncompacted map: one entry per unit (accelerate's ``clean_result=False``)."""
+        return {u.name: unit_devices[u.name] for u in self.units}
+
+
+def build_layout(
+    entries: Sequence[Tuple[str, int]],
+    children: Optional[Dict[str, List[str]]] = None,
+    tied_groups: Iterable[Iterable[str]] = (),
+) -> Layout:
+    """Layout from plain data: ``entries`` are (unit name, bytes) in placement order."""
+    units = [Unit(n, int(s)) for n, s in entries]
+    if children is None:
+        children = {"": [u.name for u in units]}
+    layout = Layout(units, children)
+    return _with_ties(layout, tied_groups)
+
+
+def _with_ties(layout: Layout, tied_groups: Iterable[Iterable[str]]) -> Layout:
+    parent: Dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.get(x, x) != x:
+            x = parent[x]
+        return x
+
+    order = {u.name: i for i, u in enumerate(layout.units)}
+    for group in tied_groups:
+        owners = sorted({o for o in (layout.unit_of(p) for p in group if p) if o is not None}, key=order.get)
+        for other in owners[1:]:
+            a, b = find(owners[0]), find(other)
+            if a != b:
+                first, second = (a, b) if order[a] < order[b] else (b, a)
+                parent[second] = first
+    followers = {name: find(name) for name in parent if find(name) != name}
+    if not followers:
+        return layout
+    return Layout(layout.units, layout.children, followers)
+
+
+def _module_entries(module: Any, prefix: str, root: bool) -> List[Tuple[str, Any]]:
+    entries = list(module.named_parameters(recurse=False)) + list(module.named_children())
+    entries += list(module.named_buffers(recurse=False))
+    seen = set()
+    out = []
+    for name, obj in entries:
+        if name in seen:
+            continue
+        seen.add(name)
+        out.append((f"{prefix}.{name}" if prefix else name, obj))
+    return out
+
+
+def layout_from_module(
+    model: Any,
+    module_sizes: Mapping[str, float],
+    no_split_classes: Iterable[str] = (),
+    tied_groups: Iterable[Iterable[str]] = (),
+) -> Layout:
+    """Walk ``model`` the way accelerate's placer does.
+
+    module_sizes:
+        Bytes per module / tensor name, as computed by the installed stack (accelerate's or
+        transformers' ``compute_module_sizes``, which already know the target dtype, the
+        quantizer and ``special_dtypes``). Names absent from it count 0 bytes (tied duplicates).
+    """
+    no_split = set(no_split_classes or ())
+    children: Dict[str, List[str]] = {}
+    units: List[Unit] = []
+
+    def is_splittable(obj: Any) -> bool:
+        named_children = getattr(obj, "named_children", None)
+        if named_children is None or type(obj).__name__ in no_split:
+            return False
+        return next(iter(named_children()), None) is not None
+
+    if not is_splittable(model):
+        return Layout([Unit("", int(module_sizes.get("", 0)))])
+    stack: List[Tuple[str, Any]] = [("", model)]
+    # iterative pre-order walk; each split module pushes its entries in reverse
+    order: List[Tuple[str, Any]] = []
+    while stack:
+        name, obj = stack.pop()
+        if name == "" or is_splittable(obj):
+            kids = _module_entries(obj, name, name == "")
+            children[name] = [k for k, _ in kids]
+            stack.extend(reversed(kids))
+        else:
+            order.append((name, obj))
+    units = [Unit(name, int(round(module_sizes.get(name, 0)))) for name, _ in order]
+    return _with_ties(Layout(units, children), tied_groups)

@@ -1,0 +1,113 @@
+"""Contiguous partition of an ordered sequence of sizes over ordered bins (GPUs).
+
+Every bin receives a contiguous run of items, bins in order (so activations only ever move
+forward from GPU i to GPU j > i). Two questions are answered exactly:
+
+* :func:`min_max_cap`: the smallest ``T`` such that the items fit with every bin holding at most
+  ``min(T, capacity)``. For a fixed ``T`` greedy first-fit decides feasibility optimally
+  (filling a bin as far as it goes never hurts the bins after it), so a binary search on ``T``
+  over integers finds the optimum in ``O(n log(total))``.
+* :func:`spread`: given that ``T``, a partition that keeps every bin at or under it while
+  aiming each bin at an even share of what is left, so GPUs at the end are not left idle when
+  a balanced split needs them. A backward greedy pass tells, for every bin, the earliest item
+  from which the rest still fits, which keeps the forward choices feasible.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import List, Optional, Sequence
+
+
+def _prefix(sizes: Sequence[int]) -> List[int]:
+    return [0] + list(accumulate(sizes))
+
+
+def fits(sizes: Sequence[int], caps: Sequence[int]) -> bool:
+    """Do the items fit, in order and contiguously, into bins with these capacities?"""
+    return greedy_prefix(sizes, caps) == len(sizes)
+
+
+def greedy_prefix(sizes: Sequence[int], caps: Sequence[int]) -> int:
+    """How many leading items first-fit places into the bins (the longest placeable prefix)."""
+    b, load, n = 0, 0, len(caps)
+    for i, s in enumerate(sizes):
+        while b < n and load + s > caps[b]:
+            b, load = b + 1, 0
+        if b == n:
+            return i
+        load += s
+    return len(sizes)
+
+
+def min_max_cap(sizes: Sequence[int], caps: Sequence[int]) -> Optional[int]:
+    """Smallest per-bin load limit that lets all items fit (None when they never fit)."""
+    if not sizes:
+        return 0
+    if not caps or not fits(sizes, caps):
+        return None
+    total = sum(sizes)
+    lo = max(max(sizes), -(-total // len(caps)))
+    hi = max(max(caps), lo)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(sizes, [min(mid, c) for c in caps]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _earliest_starts(sizes: Sequence[int], caps: Sequence[int], prefix: Sequence[int]) -> List[int]:
+    """start[b]: the smallest item index j such that items j.. fit into bins b.. (backward
+    greedy, exact by the same exchange argument as the forward one)."""
+    n, u = len(caps), len(sizes)
+    start = [u] * (n + 1)
+    for b in range(n - 1, -1, -1):
+        j = start[b + 1]
+        while j > 0 and prefix[start[b + 1]] - prefix[j - 1] <= caps[b]:
+            j -= 1
+        start[b] = j
+    return start
+
+
+def spread(sizes: Sequence[int], caps: Sequence[int]) -> Optional[List[int]]:
+    """Bin index of every item, each bin at most ``caps[b]``, loads as even as the items allow.
+
+    Returns None when the items do not fit. ``caps`` are typically ``min(T, capacity)`` with
+    ``T`` from :func:`min_max_cap`.
+    """
+    u, n = len(sizes), len(caps)
+    prefix = _prefix(sizes)
+    start = _earliest_starts(sizes, caps, prefix)
+    if start[0] != 0:
+        return None
+    assignment: List[int] = []
+    p = 0
+    for b in range(n):
+        lo_end = max(p, start[b + 1])
+        bins_left = sum(1 for c in caps[b:] if c > 0) or 1
+        target = (prefix[u] - prefix[p]) / bins_left
+        best_end, best_err = lo_end, None
+        e = lo_end
+        while e <= u and prefix[e] - prefix[p] <= caps[b]:
+            load = prefix[e] - prefix[p]
+            err = abs(load - target)
+            if best_err is None or err < best_err:
+                best_end, best_err = e, err
+            elif load > target:
+                break
+            e += 1
+        assignment.extend([b] * (best_end - p))
+        p = best_end
+    if p != u:  # pragma: no cover - guarded by start[0] == 0
+        return None
+    return assignment
+
+
+def balanced_assignment(sizes: Sequence[int], capacities: Sequence[int]) -> Optional[List[int]]:
+    """Min-max contiguous partition, spread evenly: bin index per item (None if it never fits)."""
+    cap = min_max_cap(sizes, capacities)
+    if cap is None:
+        return None
+    return spread(sizes, [min(cap, c) for c in capacities])

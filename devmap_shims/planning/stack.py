@@ -1,0 +1,268 @@
+"""The device-map step of ``from_pretrained``, run on a meta-device model without weights.
+
+Used by ``devmap-shims plan``, the corpus tests and the benchmark. Every function imports torch /
+transformers / accelerate inside its body: importing this module costs nothing.
+
+Two stacks:
+
+* transformers < 5: ``from_pretrained`` computes ``special_dtypes`` and the quantizer's target
+  dtype, calls accelerate's ``get_balanced_memory``, the quantizer's ``adjust_max_memory``,
+  ``model.tie_weights()`` and accelerate's ``infer_auto_device_map`` inline; :func:`device_map_step`
+  replays that sequence.
+* transformers >= 5: ``transformers.integrations.accelerate._get_device_map`` does it all; it is
+  called as is.
+
+With ``shim=True`` the same calls go through :mod:`devmap_shims.hooks.device_map`'s wrappers,
+exactly as they do once the shim is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, Optional
+
+QUANTIZATIONS = ("none", "4bit", "8bit")
+STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+class PlanInputError(ValueError):
+    """A model config that cannot be planned (not a causal LM, unknown architecture...)."""
+
+
+def transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+def original(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` without devmap_shims' own wrapper layer, if the shims are installed."""
+    try:
+        from devmap_shims.shims.wrapping import devmap_wrapper_type
+
+        kind = devmap_wrapper_type()
+    except Exception:  # engine not available: nothing of ours can be on top
+        return func
+    while type(func) is kind:
+        func = func.__wrapped__
+    return func
+
+
+def _through(wrapper: Callable[..., Any], wrapped: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return wrapper(wrapped, None, args, kwargs)
+
+    return call
+
+
+@dataclass
+class MetaModel:
+    """A model skeleton on the meta device, quantized modules already swapped in."""
+
+    model: Any
+    quantizer: Any
+    dtype: Any
+    quantization: str
+
+
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    value = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(value, torch.dtype):
+        raise PlanInputError(f"unknown dtype {name!r} (use e.g. bfloat16, float16, float32)")
+    return value
+
+
+def build_meta_model(config: Any, dtype: str = "bfloat16", quantization: str = "none") -> MetaModel:
+    """``AutoModelForCausalLM`` skeleton for ``config`` on the meta device, then the bitsandbytes
+    quantizer's module replacement, as ``from_pretrained(quantization_config=...)`` does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if quantization not in QUANTIZATIONS:
+        raise PlanInputError(f"unknown quantization {quantization!r} (use one of {', '.join(QUANTIZATIONS)})")
+    dt = torch_dtype(dtype)
+    dtype_kw = "dtype" if transformers_major() >= 5 else "torch_dtype"
+    try:
+        with _meta_init():
+            model = AutoModelForCausalLM.from_config(config, **{dtype_kw: dt})
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc):
+            raise PlanInputError(
+                f"{type(config).__name__} ({getattr(config, 'model_type', '?')}) is not a causal language model "
+                "configuration; `devmap-shims plan` plans AutoModelForCausalLM checkpoints"
+            ) from None
+        raise
+    quantizer = None
+    if quantization != "none":
+        quantizer = _bnb_quantizer(config, model, dt, quantization)
+    return MetaModel(model, quantizer, dt, quantization)
+
+
+@contextlib.contextmanager
+def _meta_init() -> Iterator[None]:
+    import torch
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(), torch.device("meta"):
+        yield
+
+
+def _bnb_quantizer(config: Any, model: Any, dt: Any, quantization: str) -> Any:
+    from transformers import BitsAndBytesConfig
+    from transformers.quantizers import AutoHfQuantizer
+
+    qconfig = BitsAndBytesConfig(load_in_4bit=quantization == "4bit", load_in_8bit=quantization == "8bit")
+    config.quantization_config = qconfig
+    quantizer = AutoHfQuantizer.from_config(qconfig, pre_quantized=False)
+    if transformers_major() >= 5:
+        with _meta_init():
+            quantizer.preprocess_model(model=model, dtype=dt, device_map="auto", checkpoint_files=None, use_kernels=False)
+    else:
+        if hasattr(quantizer, "update_torch_dtype"):
+            quantizer.update_torch_dtype(dt)
+        quantizer.preprocess_model(model=model, device_map="auto", keep_in_fp32_modules=_keep_in_fp32(model, dt, quantizer))
+        model.config._pre_quantization_dtype = dt
+    return quantizer
+
+
+def _keep_in_fp32(model: Any, dt: Any, quantizer: Any) -> list:
+    import torch
+
+    keep = getattr(type(model), "_keep_in_fp32_modules", None)
+    if keep is not None and (dt == torch.float16 or hasattr(quantizer, "use_keep_in_fp32_modules")):
+        return list(keep)
+    return []
+
+
+class _QuietDevices(logging.Filter):
+    """Hide accelerate's "Device N is not available" warning: the GPUs are described, not present."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is not available, available devices are" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_missing_devices() -> Iterator[None]:
+    names = ("accelerate.utils.modeling", "transformers.integrations.accelerate")
+    flt = _QuietDevices()
+    loggers = [logging.getLogger(n) for n in names]
+    for lg in loggers:
+        lg.addFilter(flt)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(flt)
+
+
+def device_map_step(meta: MetaModel, strategy: str, max_memory: Optional[Dict[Any, Any]], shim: bool) -> Dict[str, Any]:
+    """The map ``from_pretrained(device_map=strategy, max_memory=max_memory)`` computes for this
+    skeleton on the installed stack (bitsandbytes' own environment check is not run: there are no
+    real GPUs to check)."""
+    if strategy not in STRATEGIES:
+        raise PlanInputError(f"unknown device_map strategy {strategy!r} (use one of {', '.join(STRATEGIES)})")
+    mm = dict(max_memory) if max_memory is not None else None
+    with quiet_missing_devices():
+        if transformers_major() >= 5:
+            return _step_v5(meta, strategy, mm, shim)
+        return _step_v4(meta, strategy, mm, shim)
+
+
+def _step_v5(meta: MetaModel, strategy: str, max_memory: Optional[dict], shim: bool) -> Dict[str, Any]:
+    from transformers.integrations import accelerate as tia
+
+    from devmap_shims.hooks import device_map as hook
+
+    fn = original(tia._get_device_map)
+    if shim:
+        fn = _through(hook.repair_get_device_map, fn)
+    with _no_environment_check(meta.quantizer):
+        return fn(meta.model, strategy, max_memory, meta.quantizer)
+
+
+@contextlib.contextmanager
+def _no_environment_check(quantizer: Any) -> Iterator[None]:
+    if quantizer is None:
+        yield
+        return
+    quantizer.validate_environment = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del quantizer.validate_environment
+
+
+def _step_v4(meta: MetaModel, strategy: str, max_memory: Optional[dict], shim: bool) -> Dict[str, Any]:
+    import inspect
+
+    import accelerate.utils.modeling as am
+
+    from devmap_shims.hooks import device_map as hook
+
+    model, quantizer, dt = meta.model, meta.quantizer, meta.dtype
+    get_balanced_memory = original(am.get_balanced_memory)
+    infer_auto_device_map = original(am.infer_auto_device_map)
+    takes_special_dtypes = "special_dtypes" in inspect.signature(infer_auto_device_map).parameters
+    if shim:
+        get_balanced_memory = _through(hook.remember_balanced_memory, get_balanced_memory)
+        infer_auto_device_map = _through(hook.repair_infer_auto_device_map, infer_auto_device_map)
+    special_dtypes: Dict[str, Any] = {}
+    if quantizer is not None:
+        special_dtypes.update(quantizer.get_special_dtypes_update(model, dt))
+    keep = _keep_in_fp32(model, dt, quantizer) if quantizer is not None else []
+    if keep:
+        import torch
+
+        special_dtypes.update({n: torch.float32 for n, _ in model.named_parameters() if any(m in n for m in keep)})
+    target_dtype = quantizer.adjust_target_dtype(dt) if quantizer is not None else dt
+    no_split = model._get_no_split_modules(strategy)
+    kwargs: Dict[str, Any] = {"no_split_module_classes": no_split}
+    if takes_special_dtypes:
+        kwargs["special_dtypes"] = special_dtypes
+    if strategy != "sequential":
+        budgets = get_balanced_memory(
+            model, dtype=target_dtype, low_zero=strategy == "balanced_low_0", max_memory=max_memory, **kwargs
+        )
+    else:
+        budgets = am.get_max_memory(max_memory)
+    if quantizer is not None:
+        budgets = quantizer.adjust_max_memory(budgets)
+    kwargs["max_memory"] = budgets
+    model.tie_weights()
+    return infer_auto_device_map(model, dtype=target_dtype, **kwargs)
+
+
+# -- what the planning arithmetic sees, for reports -------------------------------------------------
+
+
+def layout_and_budgets(meta: MetaModel, strategy: str, max_memory: Optional[Dict[Any, Any]]) -> tuple:
+    """(layout, budgets) the shim judges this model's map with: the stack's own module sizes and
+    the user's budgets after the quantizer's adjustment."""
+    from devmap_shims.hooks import device_map as hook
+
+    mm = dict(max_memory) if max_memory is not None else None
+    with quiet_missing_devices():
+        if transformers_major() >= 5:
+            from transformers.integrations import accelerate as tia
+
+            budgets = tia.get_max_memory(mm)
+            if meta.quantizer is not None:
+                budgets = meta.quantizer.adjust_max_memory(budgets)
+            return hook._transformers_layout(meta.model, meta.quantizer), budgets
+        import accelerate.utils.modeling as am
+
+        budgets = am.get_max_memory(mm)
+        if meta.quantizer is not None:
+            budgets = meta.quantizer.adjust_max_memory(budgets)
+        params: Dict[str, Any] = {"no_split_module_classes": meta.model._get_no_split_modules(strategy)}
+        if meta.quantizer is not None:
+            params["dtype"] = meta.quantizer.adjust_target_dtype(meta.dtype)
+            params["special_dtypes"] = meta.quantizer.get_special_dtypes_update(meta.model, meta.dtype)
+        else:
+            params["dtype"] = meta.dtype
+        meta.model.tie_weights()
+        return hook._accelerate_layout(meta.model, params), budgets

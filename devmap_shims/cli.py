@@ -63,30 +63,23 @@ def _matrix_rows(args: argparse.Namespace) -> List[Any]:
 def cmd_matrix(args: argparse.Namespace) -> int:
     from devmap_shims.compat_matrix import Matrix, render_markdown, row_to_dict
 
-    rows = _matrix_rows(args)
     if args.markdown:
-        sys.stdout.write(render_markdown(Matrix(rows) if not isinstance(rows, Matrix) else rows))
+        # COMPAT.md documents the built-in rows only, whatever plugins this machine has.
+        from devmap_shims.compat_matrix import load_matrix
+
+        sys.stdout.write(render_markdown(load_matrix()))
         return EXIT_OK
+    rows = _matrix_rows(args)
     if args.json:
         _print_json({"schema_version": 1, "rows": [row_to_dict(r) for r in rows]})
         return EXIT_OK
     table = [
-        [r.id, r.library, _spec_text(r.affected), _fixed_text(r.fixed_in), r.shim or "workaround"]
+        [r.id, r.library, r.affected_text, r.fixed_in_text, r.shim or "workaround"]
         for r in rows
     ]
     print(_table(table, ["id", "library", "affected", "fixed in", "shim"]))
     print(f"\n{len(rows)} row(s). `devmap-shims explain ID` shows one in full.")
     return EXIT_OK
-
-
-def _spec_text(affected: Dict[str, str]) -> str:
-    return "; ".join(f"{k} {v}" for k, v in affected.items())
-
-
-def _fixed_text(fixed: Any) -> str:
-    if isinstance(fixed, dict):
-        return "; ".join(f"{k} {v}" for k, v in fixed.items())
-    return str(fixed)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -108,23 +101,23 @@ def cmd_explain(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"{row.id}: {row.title}")
     print(f"  library:     {row.library}")
-    print(f"  affected:    {_spec_text(row.affected)}")
+    print(f"  affected:    {row.affected_text}")
     print(f"  here:        {'AFFECTED' if applies else 'not affected'} ({why})")
-    print(f"  fixed in:    {_fixed_text(row.fixed_in)}")
+    print(f"  fixed in:    {row.fixed_in_text}")
     if row.shim:
         print(f"  shim:        {row.shim}")
     if getattr(row, "workaround", None):
         print(f"  workaround:  {row.workaround}")
     print(f"  symptom:     {row.symptom}")
     print(f"  root cause:  {row.root_cause}")
-    for link in row.upstream:
-        repo, _, number = link.partition("#")
-        print(f"  upstream:    https://github.com/{repo}/issues/{number}")
+    for url in row.upstream_urls:
+        print(f"  upstream:    {url}")
     if isinstance(row.fixed_in, dict) and row.fixed_in:
         upgrades = ", ".join(f"{k}>={v}" for k, v in row.fixed_in.items())
-        print(f"  fixed in {_fixed_text(row.fixed_in)}: upgrade ({upgrades}) to drop this shim.")
+        what = "drop this shim" if row.shim else "drop the workaround"
+        print(f"  fixed in {row.fixed_in_text}: upgrade ({upgrades}) to {what}.")
     else:
-        print(f"  not fixed upstream (last checked {getattr(row, 'last_checked', '?')}).")
+        print(f"  {row.fixed_in_text}: keep the {'shim' if row.shim else 'workaround'}.")
     return EXIT_OK
 
 

@@ -1,0 +1,84 @@
+"""The devmap-shims command: output formats and exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from devmap_shims.cli import main
+
+
+def run_cli(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_matrix_json_rows_have_stable_keys(capsys):
+    code, out, _ = run_cli(capsys, "matrix", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["schema_version"] == 1
+    keys = {tuple(row) for row in data["rows"]}
+    assert len(keys) == 1  # every row has the same keys in the same order
+    assert {"id", "affected", "fixed_in", "shim", "upstream"} <= set(data["rows"][0])
+
+
+def test_matrix_library_filter_and_unknown_library(capsys):
+    code, out, _ = run_cli(capsys, "matrix", "--json", "--library", "bitsandbytes")
+    assert code == 0
+    assert {row["library"] for row in json.loads(out)["rows"]} == {"bitsandbytes"}
+    code, _, err = run_cli(capsys, "matrix", "--library", "tensorflow")
+    assert code == 2 and "tensorflow" in err and "\n" == err[-1] and err.count("\n") == 1
+
+
+def test_matrix_applicable_matches_installed_versions(capsys):
+    from devmap_shims.compat_matrix import load_matrix
+    from devmap_shims.versions import installed_versions
+
+    matrix = load_matrix()
+    expected = [r.id for r in matrix.rows if r.applies(installed_versions(matrix.distributions()))]
+    code, out, _ = run_cli(capsys, "matrix", "--applicable", "--json")
+    assert [row["id"] for row in json.loads(out)["rows"]] == expected
+
+
+def test_explain_known_and_unknown(capsys):
+    code, out, _ = run_cli(capsys, "explain", "bnb-quantstate-code-not-moved")
+    assert code == 0
+    assert "https://github.com/bitsandbytes-foundation/bitsandbytes/issues/1528" in out
+    assert "upgrade (bitsandbytes>=0.45.3) to drop this shim" in out
+    code, _, err = run_cli(capsys, "explain", "bnb-quantstate")
+    assert code == 2 and "did you mean 'bnb-quantstate-code-not-moved'" in err
+
+
+def test_explain_json_says_whether_it_applies(capsys):
+    code, out, _ = run_cli(capsys, "explain", "--json", "balanced-memory-large-unquantized-embedding-collapse")
+    data = json.loads(out)
+    assert code == 0 and isinstance(data["applies_here"], bool) and data["applicability"]
+
+
+def test_doctor_json(capsys):
+    code, out, _ = run_cli(capsys, "doctor", "--json", "--no-import", "--no-devices")
+    data = json.loads(out)
+    assert code == 0
+    assert {"versions", "shims", "applicable_rows", "auto_enable", "warnings"} <= set(data)
+    assert all(s["state"] in ("pending", "active", "skipped", "failed") for s in data["shims"])
+
+
+def test_usage_errors_exit_2():
+    for args in (["bogus"], ["matrix", "--json", "--markdown"], ["explain"], ["run"]):
+        proc = subprocess.run([sys.executable, "-m", "devmap_shims", *args], capture_output=True, text=True)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr
+
+
+def test_run_sets_the_variable():
+    proc = subprocess.run(
+        [sys.executable, "-m", "devmap_shims", "run", "--", sys.executable, "-c",
+         "import os, devmap_shims; print(os.environ['DEVMAP_SHIMS'], devmap_shims.is_installed())"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["1", "True"]

@@ -1,0 +1,482 @@
+"""Simulated ``torch.cuda`` / ``torch.accelerator`` API, generators, streams, events, pinned memory.
+
+Everything here answers from the active :class:`SimulatedMachine`; nothing reaches the CUDA
+driver. Streams and events are inert (work runs synchronously on the CPU).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from . import _sim_state as S
+from ._sim_mode import parse_device
+
+_RealGenerator = torch._C.Generator
+_RealDevice = type(torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# device arguments
+# ---------------------------------------------------------------------------------------------
+def index_of(device: Any = None, optional: bool = True) -> int:
+    """torch.cuda's device argument (None, int, "cuda:1", torch.device) -> simulated index."""
+    if device is None:
+        return S.MACHINE.current_device
+    if isinstance(device, str) and device.strip() == "cuda":
+        return S.MACHINE.current_device
+    if isinstance(device, torch.device) and device.type == "cuda" and device.index is None:
+        return S.MACHINE.current_device
+    target = parse_device(device)
+    if not isinstance(target, int):
+        raise ValueError(f"Expected a cuda device, but got: {target}")
+    return target
+
+
+# ---------------------------------------------------------------------------------------------
+# generators
+# ---------------------------------------------------------------------------------------------
+class SimulatedCudaGenerator(_RealGenerator):
+    """A CPU generator that reports ``cuda:N``: random ops on simulated GPUs draw from it."""
+
+    _sim_index = 0
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        if S.MACHINE is not None and self._sim_index < len(S.CUDA_DEVICES):
+            return S.CUDA_DEVICES[self._sim_index]
+        return torch.device("cuda", self._sim_index)
+
+
+def make_generator(idx: int) -> SimulatedCudaGenerator:
+    g = SimulatedCudaGenerator()
+    g._sim_index = idx
+    return g
+
+
+def generator_device(g: Any) -> str:
+    if isinstance(g, SimulatedCudaGenerator):
+        return "cuda"
+    return g.device.type
+
+
+_DEFAULT_GENERATORS: List[SimulatedCudaGenerator] = []
+
+
+def default_generator(idx: int) -> SimulatedCudaGenerator:
+    return _DEFAULT_GENERATORS[idx]
+
+
+class _GeneratorMeta(type):
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _RealGenerator)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _RealGenerator)
+
+    def __call__(cls, device: Any = "cpu") -> Any:
+        target = parse_device(device) if device is not None else torch.device("cpu")
+        if isinstance(target, int):
+            return make_generator(target)
+        return _RealGenerator(device=target)
+
+
+class GeneratorStandIn(metaclass=_GeneratorMeta):
+    """Takes the place of ``torch.Generator`` during a simulation: ``torch.Generator("cuda:1")``
+    gives a :class:`SimulatedCudaGenerator`; any other device gives a real generator. Instance
+    checks against it accept every real generator."""
+
+    def __getattr__(self, name: str) -> Any:  # pragma: no cover - never instantiated
+        raise AttributeError(name)
+
+
+class _DeviceMeta(type):
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _RealDevice)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _RealDevice)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs and isinstance(args[0], int) and not isinstance(args[0], bool):
+            return _RealDevice("cuda", args[0])
+        return _RealDevice(*args, **kwargs)
+
+
+class DeviceStandIn(metaclass=_DeviceMeta):
+    """Takes the place of ``torch.device`` on torch builds where ``torch.device(0)`` asks the
+    driver (2.5, 2.6): an int means ``cuda:int``; instance checks accept every real device."""
+
+
+# ---------------------------------------------------------------------------------------------
+# streams and events
+# ---------------------------------------------------------------------------------------------
+class SimulatedStream:
+    """An inert CUDA stream: work is synchronous on the CPU, so every wait is already satisfied."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        self._index = index_of(device)
+        self.priority = priority
+        self.stream_id = id(self)
+        self.cuda_stream = 0
+        self.device_index = self._index
+        self.device_type = 1  # DeviceType::CUDA
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self._index)
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> "SimulatedEvent":
+        event = event if event is not None else SimulatedEvent()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> "SimulatedStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"<torch.cuda.Stream device=cuda:{self._index} cuda_stream=0x0 (simulated)>"
+
+
+class SimulatedEvent:
+    """An inert CUDA event (``elapsed_time`` is 0.0)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self._recorded = False
+
+    def record(self, stream: Any = None) -> None:
+        self._recorded = True
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end_event: Any) -> float:
+        return 0.0
+
+    def __repr__(self) -> str:
+        return "<torch.cuda.Event (simulated)>"
+
+
+_STREAMS: Dict[int, SimulatedStream] = {}
+
+
+def current_stream(device: Any = None) -> SimulatedStream:
+    idx = index_of(device)
+    s = _STREAMS.get(idx)
+    if s is None:
+        s = _STREAMS[idx] = SimulatedStream(idx)
+    return s
+
+
+class SimulatedStreamContext:
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> Any:
+        return self.stream
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def stream(stream: Any) -> SimulatedStreamContext:
+    return SimulatedStreamContext(stream)
+
+
+def set_stream(stream: Any) -> None:
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# pinned memory
+# ---------------------------------------------------------------------------------------------
+_PINNED: Dict[int, weakref.ref] = {}
+
+
+def mark_pinned(t: Any) -> None:
+    if not isinstance(t, torch.Tensor):
+        return
+    st = t.untyped_storage()
+    sid = torch._C._storage_id(t)
+    _PINNED[sid] = weakref.ref(st, lambda _r, sid=sid: _PINNED.pop(sid, None))
+
+
+def is_pinned(t: torch.Tensor) -> bool:
+    try:
+        return torch._C._storage_id(t) in _PINNED
+    except (RuntimeError, TypeError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.cuda functions
+# ---------------------------------------------------------------------------------------------
+def is_available() -> bool:
+    return True
+
+
+def device_count() -> int:
+    return S.MACHINE.device_count
+
+
+def current_device() -> int:
+    return S.MACHINE.current_device
+
+
+def set_device(device: Any) -> None:
+    idx = index_of(device)
+    if idx >= 0:
+        S.MACHINE._set_current(idx)
+
+
+def exchange_device(device: int) -> int:
+    if device < 0:
+        return -1
+    prev = S.MACHINE.current_device
+    S.MACHINE._set_current(device)
+    return prev
+
+
+def get_device_name(device: Any = None) -> str:
+    return S.MACHINE.properties(index_of(device)).name
+
+
+def get_device_properties(device: Any = None) -> Any:
+    return S.MACHINE.properties(index_of(device))
+
+
+def get_device_capability(device: Any = None) -> Tuple[int, int]:
+    p = S.MACHINE.properties(index_of(device))
+    return (p.major, p.minor)
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return S.MACHINE.properties(S.MACHINE.current_device).major >= 8
+
+
+def mem_get_info(device: Any = None) -> Tuple[int, int]:
+    idx = index_of(device)
+    return (S.MACHINE.free(idx), S.MACHINE.capacity(idx))
+
+
+def memory_allocated(device: Any = None) -> int:
+    return S.MACHINE.allocated(index_of(device))
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    return S.MACHINE.max_allocated(index_of(device))
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    S.MACHINE.reset_peak(index_of(device))
+
+
+def memory_stats(device: Any = None) -> "collections.OrderedDict[str, Any]":
+    idx = index_of(device)
+    m = S.MACHINE
+    cur, peak = m.allocated(idx), m.max_allocated(idx)
+    stats: Dict[str, Any] = {}
+    for kind in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):
+        for pool in ("all", "large_pool", "small_pool"):
+            full = pool == "all"
+            stats[f"{kind}.{pool}.current"] = cur if full else 0
+            stats[f"{kind}.{pool}.peak"] = peak if full else 0
+    stats["num_alloc_retries"] = 0
+    stats["num_ooms"] = m.num_ooms(idx)
+    stats["num_device_alloc"] = m.num_allocations(idx)
+    stats["num_device_free"] = 0
+    return collections.OrderedDict(sorted(stats.items()))
+
+
+def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
+    from ._sim_machine import format_size
+
+    idx = index_of(device)
+    m = S.MACHINE
+    return (
+        f"Simulated GPU {idx} ({m.properties(idx).name}): allocated {format_size(m.allocated(idx))}, "
+        f"peak {format_size(m.max_allocated(idx))}, capacity {format_size(m.capacity(idx))}\n"
+    )
+
+
+def noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def true(*args: Any, **kwargs: Any) -> bool:
+    return True
+
+
+def manual_seed(seed: int) -> None:
+    default_generator(S.MACHINE.current_device).manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    for g in _DEFAULT_GENERATORS:
+        g.manual_seed(int(seed))
+
+
+def seed() -> None:
+    default_generator(S.MACHINE.current_device).seed()
+
+
+def seed_all() -> None:
+    s = _DEFAULT_GENERATORS[0].seed() if _DEFAULT_GENERATORS else 0
+    for g in _DEFAULT_GENERATORS[1:]:
+        g.manual_seed(s)
+
+
+def initial_seed() -> int:
+    return default_generator(S.MACHINE.current_device).initial_seed()
+
+
+def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    return default_generator(index_of(device)).get_state()
+
+
+def get_rng_state_all() -> List[torch.Tensor]:
+    return [g.get_state() for g in _DEFAULT_GENERATORS]
+
+
+def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+    default_generator(index_of(device)).set_state(new_state)
+
+
+def set_rng_state_all(new_states: Any) -> None:
+    for g, s in zip(_DEFAULT_GENERATORS, new_states):
+        g.set_state(s)
+
+
+class SimulatedDeviceIndex:
+    """``torch.accelerator.device_index`` on the simulated machine."""
+
+    def __init__(self, device: Any, /) -> None:
+        self.idx = -1 if device is None else index_of(device)
+        self.prev_idx = -1
+
+    def __enter__(self) -> None:
+        if self.idx >= 0:
+            self.prev_idx = exchange_device(self.idx)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.prev_idx >= 0:
+            exchange_device(self.prev_idx)
+
+
+def get_memory_info(device: Any = None, /) -> Tuple[int, int]:
+    return mem_get_info(device)
+
+
+def start() -> None:
+    n = S.MACHINE.device_count
+    _DEFAULT_GENERATORS[:] = [make_generator(i) for i in range(n)]
+    _STREAMS.clear()
+    _PINNED.clear()
+
+
+def stop() -> None:
+    _DEFAULT_GENERATORS.clear()
+    _STREAMS.clear()
+    _PINNED.clear()
+
+
+def cuda_namespace() -> Dict[str, Any]:
+    """Attribute name -> stand-in, for torch.cuda and the submodules that define them."""
+    return {
+        "is_available": is_available,
+        "device_count": device_count,
+        "current_device": current_device,
+        "set_device": set_device,
+        "_exchange_device": exchange_device,
+        "_maybe_exchange_device": exchange_device,
+        "get_device_name": get_device_name,
+        "get_device_properties": get_device_properties,
+        "get_device_capability": get_device_capability,
+        "is_bf16_supported": is_bf16_supported,
+        "can_device_access_peer": true,
+        "mem_get_info": mem_get_info,
+        "memory_allocated": memory_allocated,
+        "max_memory_allocated": max_memory_allocated,
+        "memory_reserved": memory_allocated,
+        "max_memory_reserved": max_memory_allocated,
+        "memory_cached": memory_allocated,
+        "max_memory_cached": max_memory_allocated,
+        "reset_peak_memory_stats": reset_peak_memory_stats,
+        "reset_max_memory_allocated": reset_peak_memory_stats,
+        "reset_max_memory_cached": reset_peak_memory_stats,
+        "reset_accumulated_memory_stats": noop,
+        "memory_stats": memory_stats,
+        "memory_summary": memory_summary,
+        "set_per_process_memory_fraction": noop,
+        "synchronize": noop,
+        "empty_cache": noop,
+        "ipc_collect": noop,
+        "is_initialized": true,
+        "init": noop,
+        "_lazy_init": noop,
+        "Stream": SimulatedStream,
+        "Event": SimulatedEvent,
+        "current_stream": current_stream,
+        "default_stream": current_stream,
+        "stream": stream,
+        "set_stream": set_stream,
+        "StreamContext": SimulatedStreamContext,
+        "manual_seed": manual_seed,
+        "manual_seed_all": manual_seed_all,
+        "seed": seed,
+        "seed_all": seed_all,
+        "initial_seed": initial_seed,
+        "get_rng_state": get_rng_state,
+        "get_rng_state_all": get_rng_state_all,
+        "set_rng_state": set_rng_state,
+        "set_rng_state_all": set_rng_state_all,
+        "default_generators": tuple(_DEFAULT_GENERATORS),
+    }
+
+
+def accelerator_namespace() -> Dict[str, Any]:
+    return {
+        "current_device_index": current_device,
+        "current_device_idx": current_device,
+        "set_device_index": set_device,
+        "set_device_idx": set_device,
+        "synchronize": noop,
+        "device_index": SimulatedDeviceIndex,
+        "current_stream": current_stream,
+        "set_stream": set_stream,
+        "empty_cache": noop,
+        "memory_stats": memory_stats,
+        "memory_allocated": memory_allocated,
+        "max_memory_allocated": max_memory_allocated,
+        "memory_reserved": memory_allocated,
+        "max_memory_reserved": max_memory_allocated,
+        "reset_accumulated_memory_stats": noop,
+        "reset_peak_memory_stats": reset_peak_memory_stats,
+        "get_memory_info": get_memory_info,
+    }

@@ -15,7 +15,8 @@ A map computed for ``device_map="auto" | "balanced" | "balanced_low_0"`` is *deg
     (balanced_low_0 exempts GPU 0, which it keeps empty on purpose).
 ``imbalanced``
     the busiest GPU holds more than ``tolerance`` (1.10) times the lower bound
-    ``max(total / number of GPUs, largest unsplittable block)``.
+    ``max(total / number of GPUs, largest unsplittable block)`` (see :func:`lower_bound` for
+    GPUs whose user budget is below an even share).
 
 Anything else is ``ok``.
 """
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
 from devmap_shims.planning.layout import Layout
+from devmap_shims.planning.partition import greedy_prefix
 from devmap_shims.planning.sizes import format_bytes
 
 TOLERANCE = 1.10
@@ -93,9 +95,36 @@ def active_gpus(budgets: Mapping[Any, float], low_zero: bool) -> List[int]:
 
 
 def lower_bound(layout: Layout, budgets: Mapping[Any, float], low_zero: bool = False) -> int:
-    """max(total / GPUs in use, largest unsplittable block): no split can beat it."""
-    n = len(active_gpus(budgets, low_zero)) or 1
-    return max(-(-layout.total // n), layout.largest)
+    """No placement can put less than this on its busiest GPU.
+
+    ``max(total / GPUs in use, largest unsplittable block)``, where a GPU whose budget is below
+    the even share takes only its budget and the others share the rest (with no user caps this
+    is plain ``total / GPUs``). When the model does not fit at all, the largest GPU budget.
+    """
+    caps = sorted(float(budgets[g]) for g in active_gpus(budgets, low_zero))
+    remaining, level = float(layout.total), None
+    for i, cap in enumerate(caps):
+        share = remaining / (len(caps) - i)
+        if cap >= share:
+            level = share
+            break
+        remaining -= cap
+    if level is None:
+        level = caps[-1] if caps else float(layout.total)
+    return max(int(-(-level // 1)), layout.largest)
+
+
+def unavoidable_offload(layout: Layout, budgets: Mapping[Any, float], reserve: int) -> int:
+    """Bytes that cannot stay on the GPUs in any contiguous placement, when GPU 0 keeps
+    ``reserve`` bytes free for streaming offloaded blocks back in (as accelerate does)."""
+    gpus = gpu_ids(budgets)
+    if not gpus:
+        return layout.total
+    caps = [int(budgets[g]) for g in gpus]
+    caps[0] = max(0, caps[0] - reserve)
+    sizes = [u.size for u in layout.placed]
+    k = greedy_prefix(sizes, caps)
+    return sum(sizes[k:])
 
 
 def assess(
@@ -130,17 +159,11 @@ def assess(
         )
 
     if offloaded_units:
-        reserve = max(u.size for u in offloaded_units)
-        main = gpus[0] if gpus else None
-        smallest = min(u.size for u in offloaded_units)
-        roomy = [
-            g for g in gpus
-            if budgets[g] - loads[g] - (reserve if g == main else 0) >= max(smallest, 1)
-        ]
-        if roomy:
+        necessary = unavoidable_offload(layout, budgets, max(u.size for u in offloaded_units))
+        if offloaded > necessary:
             problems.append(
-                f"{format_bytes(offloaded)} offloaded to CPU/disk while GPU {_ranges(roomy)} still "
-                f"has room for it"
+                f"{format_bytes(offloaded)} offloaded to CPU/disk although the GPUs' budgets leave only "
+                f"{format_bytes(necessary)} that cannot stay on a GPU"
             )
         else:
             offloaded_units = []

@@ -92,7 +92,9 @@ def spread(sizes: Sequence[int], caps: Sequence[int]) -> Optional[List[int]]:
         e = lo_end
         while e <= u and prefix[e] - prefix[p] <= caps[b]:
             load = prefix[e] - prefix[p]
-            err = abs(load - target)
+            # an empty bin is only chosen when nothing else fits: leaving a GPU idle pushes its
+            # share onto the GPUs after it
+            err = abs(load - target) if load > 0 or e == u else float("inf")
             if best_err is None or err < best_err:
                 best_end, best_err = e, err
             elif load > target:

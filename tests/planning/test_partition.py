@@ -1,0 +1,104 @@
+"""Contiguous min-max partition: checked against brute force over every contiguous split."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from devmap_shims.planning import partition
+
+
+def brute_force_optimum(sizes, caps):
+    """Smallest achievable max bin load over every contiguous split (None if none fits)."""
+    n, u = len(caps), len(sizes)
+    best = None
+    # cut points: a non-decreasing sequence of n-1 positions in 0..u
+    for cuts in itertools.combinations_with_replacement(range(u + 1), n - 1):
+        bounds = (0,) + cuts + (u,)
+        loads = [sum(sizes[bounds[i]:bounds[i + 1]]) for i in range(n)]
+        if all(load <= cap for load, cap in zip(loads, caps)):
+            worst = max(loads)
+            best = worst if best is None else min(best, worst)
+    return best
+
+
+def check_assignment(sizes, caps, assignment):
+    assert len(assignment) == len(sizes)
+    assert assignment == sorted(assignment), "bins must be filled in order (contiguous runs)"
+    loads = [0] * len(caps)
+    for size, b in zip(sizes, assignment):
+        loads[b] += size
+    assert all(load <= cap for load, cap in zip(loads, caps))
+    return loads
+
+
+items = st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=9)
+bins = st.lists(st.integers(min_value=0, max_value=120), min_size=1, max_size=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(items, bins)
+def test_min_max_cap_is_the_exact_optimum(sizes, caps):
+    expected = brute_force_optimum(sizes, caps)
+    got = partition.min_max_cap(sizes, caps)
+    if expected is None:
+        assert got is None
+    else:
+        # the cap may exceed the optimum only by slack that no bin uses
+        assignment = partition.spread(sizes, [min(got, c) for c in caps])
+        assert assignment is not None
+        loads = check_assignment(sizes, caps, assignment)
+        assert max(loads) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(items, bins)
+def test_balanced_assignment_is_optimal_and_contiguous(sizes, caps):
+    expected = brute_force_optimum(sizes, caps)
+    assignment = partition.balanced_assignment(sizes, caps)
+    if expected is None:
+        assert assignment is None
+        return
+    loads = check_assignment(sizes, caps, assignment)
+    assert max(loads) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(items, bins)
+def test_greedy_prefix_is_the_longest_placeable_prefix(sizes, caps):
+    k = partition.greedy_prefix(sizes, caps)
+    assert brute_force_optimum(sizes[:k], caps) is not None
+    if k < len(sizes):
+        assert brute_force_optimum(sizes[: k + 1], caps) is None
+
+
+def test_spread_does_not_leave_a_gpu_idle_when_the_first_block_is_big():
+    # a large embedding followed by small layers on 4 GPUs: greedy first-fit at the optimal cap
+    # would stack layers on the first GPUs; spread must give every GPU work
+    sizes = [50] + [3] * 16
+    assignment = partition.balanced_assignment(sizes, [1000] * 4)
+    loads = check_assignment(sizes, [1000] * 4, assignment)
+    assert max(loads) == 50
+    assert all(load > 0 for load in loads)
+
+
+def test_spread_uses_every_bin_when_items_allow():
+    sizes = [10] * 10
+    assignment = partition.balanced_assignment(sizes, [100] * 8)
+    loads = check_assignment(sizes, [100] * 8, assignment)
+    assert max(loads) == 20
+    assert all(load > 0 for load in loads)
+
+
+def test_bins_with_zero_capacity_are_skipped():
+    assignment = partition.balanced_assignment([5, 5, 5], [0, 10, 10])
+    assert assignment is not None and 0 not in assignment
+
+
+@pytest.mark.parametrize("sizes,caps", [([5, 5], [4, 4]), ([1, 2, 3], [])])
+def test_infeasible_returns_none(sizes, caps):
+    assert partition.min_max_cap(sizes, caps) is None
+    assert partition.balanced_assignment(sizes, caps) is None

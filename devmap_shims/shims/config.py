@@ -18,7 +18,10 @@ and the setting keeps its default. Unknown shim ids are checked later, once the 
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Mapping, Optional, Tuple
+# typing costs ~20 ms to import; annotations are strings here, so it is only needed by type checkers
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Dict, List, Mapping, Optional, Tuple
 
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")

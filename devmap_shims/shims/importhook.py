@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Callable, Dict, List
+# typing costs ~20 ms to import; annotations are strings here, so it is only needed by type checkers
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, List
 
-Hook = Callable[[Any], None]
+    Hook = Callable[[Any], None]
+
 
 _lock = threading.RLock()
 _hooks: Dict[str, List[Hook]] = {}

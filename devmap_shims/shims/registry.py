@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+# typing costs ~20 ms to import; annotations are strings here, so it is only needed by type checkers
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from devmap_shims.shims import importhook
 from devmap_shims.shims.record import Shim, Target, resolve_ref

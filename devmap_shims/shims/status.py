@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Dict, List
+# typing costs ~20 ms to import; annotations are strings here, so it is only needed by type checkers
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Dict, List
 
 from devmap_shims.shims import registry as reg
 

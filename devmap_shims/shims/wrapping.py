@@ -19,9 +19,12 @@ from __future__ import annotations
 import functools
 import sys
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Optional, Tuple
+# typing costs ~20 ms to import; annotations are strings here, so it is only needed by type checkers
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, List, Optional, Tuple
 
-GuardedCall = Callable[[Callable[..., Any], Any, Tuple[Any, ...], Dict[str, Any]], Any]
+    GuardedCall = Callable[[Callable[..., Any], Any, Tuple[Any, ...], Dict[str, Any]], Any]
 
 _wrapper_type: Optional[type] = None
 
@@ -104,7 +107,7 @@ def make_plain(raw: Any, guarded: GuardedCall, owner: Any) -> Any:
     return plain_method
 
 
-_OURS: Dict[int, Tuple[Any, Any]] = {}
+_OURS: dict = {}
 
 
 def remember(layer: Any, original: Any) -> None:

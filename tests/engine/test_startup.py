@@ -71,3 +71,14 @@ def test_python_dash_m_and_console_script_agree():
     a = subprocess.run([sys.executable, "-m", "devmap_shims", "matrix", "--json"], capture_output=True, text=True)
     assert a.returncode == 0, a.stderr
     assert json.loads(a.stdout)["rows"]
+
+
+def test_install_stays_cheap_no_slow_imports():
+    """The 30 ms start-up budget: install() must not pull in typing, inspect, logging, wrapt ..."""
+    slow = ("typing", "inspect", "logging", "importlib.metadata", "wrapt", "packaging", "tomllib", "dataclasses")
+    proc = run_python(
+        "import sys, json, devmap_shims; devmap_shims.install(); "
+        f"print(json.dumps([m for m in {slow!r} if m in sys.modules]))"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []

@@ -228,6 +228,13 @@ class SimulatedMachine:
             f"for Memory Management  ({_alloc_conf_doc_url()})"
         )
 
+    def _precheck(self, device: int, nbytes: int) -> None:
+        """Raise the OOM an allocation of ``nbytes`` on ``device`` would raise, before making it."""
+        nbytes = round_block(nbytes)
+        if nbytes and self._allocated[device] + nbytes > self._caps[device]:
+            self._num_ooms[device] += 1
+            raise _oom_error_type()(self.oom_message(device, nbytes))
+
     def _charge(self, storage: torch.UntypedStorage, key: int, device: int) -> None:
         """Charge a new storage to ``device``; raises torch's OutOfMemoryError past capacity."""
         nbytes = round_block(storage.nbytes())
@@ -288,8 +295,3 @@ def _alloc_conf_doc_url() -> str:
         return "https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf"
     return "https://pytorch.org/docs/stable/notes/cuda.html#environment-variables"
 
-
-def device_index_or_none(machine: Optional[SimulatedMachine], i: int) -> Optional[int]:
-    if machine is None or not 0 <= i < machine.device_count:
-        return None
-    return i

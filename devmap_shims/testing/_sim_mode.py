@@ -10,6 +10,7 @@ does.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -334,6 +335,7 @@ def _names(*names: str) -> List[Any]:
     return found
 
 
+SIZED_FACTORIES = set(_names("empty", "zeros", "ones", "rand", "randn"))
 RANDOM_FACTORIES = set(_names("randn", "rand", "randint", "randperm", "normal"))
 # random ops on existing tensors that take a generator: they draw from the simulated device's generator
 RANDOM_ON_TENSORS = set(
@@ -407,6 +409,29 @@ def _check_generator(kwargs: Dict[str, Any], target: Target) -> None:
         raise RuntimeError(f"Expected a '{want}' device type for generator but found '{gdev}'")
 
 
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _factory_nbytes(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> int:
+    """Bytes a sized factory (empty/zeros/ones/rand/randn) will allocate, 0 when unknown."""
+    if func not in SIZED_FACTORIES:
+        return 0
+    size = kwargs.get("size")
+    if size is None:
+        if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+            size = args[0]
+        else:
+            size = args
+    numel = 1
+    for d in size:
+        if not isinstance(d, int):
+            return 0
+        numel *= d
+    return numel * _itemsize(kwargs.get("dtype") or torch.get_default_dtype())
+
+
 def run_with_device(func: Any, args: Sequence[Any], kwargs: Dict[str, Any], dev: Any) -> Any:
     """Ops called with ``device=``: factories, ``*_like``, ``new_*``, ``as_tensor``..."""
     target = parse_device(dev)
@@ -417,6 +442,9 @@ def run_with_device(func: Any, args: Sequence[Any], kwargs: Dict[str, Any], dev:
     if isinstance(target, int):
         kwargs = dict(kwargs)
         kwargs["device"] = _CPU
+        nbytes = _factory_nbytes(func, args, kwargs)
+        if nbytes:
+            S.MACHINE._precheck(target, nbytes)
         if func in RANDOM_FACTORIES and kwargs.get("generator") is None:
             from ._sim_cuda import default_generator
 
@@ -460,6 +488,8 @@ def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
 
     ts = _collect(args, kwargs)
     if not ts:
+        if kwargs.get("generator") is not None:
+            _check_generator(kwargs, _CPU)
         if kwargs.get("pin_memory"):
             return run_with_device(func, args, kwargs, _CPU)
         return func(*args, **kwargs)
@@ -544,6 +574,9 @@ def _h_to(func, args, kwargs):
             tag(out, src)
         return out
     mf = kw.get("memory_format", torch.preserve_format)
+    if isinstance(target, int) and target != src:
+        dtype = kw.get("dtype") or next((r for r in rest if isinstance(r, torch.dtype)), self.dtype)
+        S.MACHINE._precheck(target, self.numel() * _itemsize(dtype))
     out = func(self, _CPU if isinstance(target, int) else target, *rest, **kw)
     if isinstance(target, int):
         if out is self or _same_storage(out, self):
@@ -585,6 +618,7 @@ def _h_cuda(func, args, kwargs):
     src = S.sim_index(self)
     if src == target:
         return self
+    S.MACHINE._precheck(target, self.numel() * self.element_size())
     out = sim_copy(self, kwargs.get("memory_format", torch.preserve_format))
     tag(out, target)
     return out
@@ -639,12 +673,12 @@ def _h_numpy(func, args, kwargs):
 def _h_repr(func, args, kwargs):
     if S.sim_index(args[0]) is None:
         return func(*args, **kwargs)
-    depth = S.DEPTH[0]
-    S.DEPTH[0] = 0  # print the simulated device, as CUDA tensors do
+    depth = S.DEPTH.n
+    S.DEPTH.n = 0  # print the simulated device, as CUDA tensors do
     try:
         return func(*args, **kwargs)
     finally:
-        S.DEPTH[0] = depth
+        S.DEPTH.n = depth
 
 
 def _h_pin_memory(func, args, kwargs):
@@ -823,6 +857,8 @@ class SimulationMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if S.MACHINE is None:  # a thread still running after its simulation ended
+            return func(*args, **kwargs)
         try:
             h = HANDLERS.get(func)
             passthrough = h is None and func in PASSTHROUGH
@@ -831,10 +867,10 @@ class SimulationMode(TorchFunctionMode):
         if passthrough:
             return func(*args, **kwargs)
         depth = S.DEPTH
-        depth[0] += 1
+        depth.n += 1
         try:
             if h is not None:
                 return h(func, args, kwargs)
             return generic(func, args, kwargs)
         finally:
-            depth[0] -= 1
+            depth.n -= 1

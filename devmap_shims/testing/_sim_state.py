@@ -8,6 +8,7 @@ bitsandbytes ``Params4bit``) share the storage and therefore the device, as on r
 from __future__ import annotations
 
 import re
+import threading
 from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
@@ -31,7 +32,12 @@ MACHINE: Optional["SimulatedMachine"] = None
 # > 0 while the simulator's own mode handler runs an op on the real CPU tensors: then
 # ``Tensor.device`` & co. report the real device, so torch's Python internals that build
 # tensors "on the same device as the input" build them on the CPU.
-DEPTH = [0]
+class _Depth(threading.local):
+    n = 0  # nesting of the mode's handler in this thread
+    in_mode = False  # whether this thread runs under the simulation's mode
+
+
+DEPTH = _Depth()
 
 # One real torch.device per simulated index, built once per simulation.
 CUDA_DEVICES: list = []

@@ -53,7 +53,9 @@ Tensors created inside a simulation remain valid CPU tensors after it ends and t
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 from typing import Any, Iterator, List, Sequence, Tuple, Union
 
 import torch
@@ -96,7 +98,7 @@ FORCE_DEVICE_STANDIN = False
 # Tensor attributes reporting the simulated device
 # ---------------------------------------------------------------------------------------------
 def _sim_idx(t: torch.Tensor) -> Any:
-    if S.DEPTH[0]:
+    if S.DEPTH.n:
         return None
     try:
         return S.DEVICE_OF.get(_storage_id(t))
@@ -124,6 +126,13 @@ def _get_device(self: torch.Tensor) -> int:
     if idx is not None:
         return idx
     return _real_get_device(self)
+
+
+def _record_stream(self: torch.Tensor, stream: Any) -> None:
+    # simulated streams are inert; torch's own parser would reject them before any mode sees them
+    if isinstance(stream, _sim_cuda.SimulatedStream):
+        return None
+    return _TensorBase.record_stream(self, stream)
 
 
 _device.__doc__ = _TensorBase.device.__doc__
@@ -193,12 +202,39 @@ def _int_device_needs_standin() -> bool:
         return True
 
 
+_real_submit = concurrent.futures.ThreadPoolExecutor.submit
+
+
+def _in_simulation(fn: Any) -> Any:
+    """Run ``fn`` (in a worker thread) under the simulation's mode: modes are thread-local."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if S.MACHINE is None or S.DEPTH.in_mode:
+            return fn(*args, **kwargs)
+        S.DEPTH.in_mode = True
+        try:
+            with SimulationMode():
+                return fn(*args, **kwargs)
+        finally:
+            S.DEPTH.in_mode = False
+
+    return run
+
+
+def _submit(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+    return _real_submit(self, _in_simulation(fn), *args, **kwargs)
+
+
 def _install(patcher: _Patcher) -> None:
+    # transformers >= 5 materialises checkpoint tensors in a ThreadPoolExecutor
+    patcher.set(concurrent.futures.ThreadPoolExecutor, "submit", _submit)
     T = torch.Tensor
     patcher.set(T, "device", property(_device, doc=_TensorBase.device.__doc__))
     patcher.set(T, "is_cuda", property(_is_cuda, doc=_TensorBase.is_cuda.__doc__))
     patcher.set(T, "is_cpu", property(_is_cpu, doc=_TensorBase.is_cpu.__doc__))
     patcher.set(T, "get_device", _get_device)
+    patcher.set(T, "record_stream", _record_stream)
     for name, value in _sim_cuda.cuda_namespace().items():
         for mod in _cuda_modules():
             if name in mod.__dict__:
@@ -248,6 +284,7 @@ def simulated_gpus(
         machine._patched = patcher.targets  # type: ignore[attr-defined]
         mode.__enter__()
         entered = True
+        S.DEPTH.in_mode = True
         yield machine
     finally:
         try:
@@ -257,7 +294,8 @@ def simulated_gpus(
             S.MACHINE = None
             S.DEVICE_OF.clear()
             S.CUDA_DEVICES.clear()
-            S.DEPTH[0] = 0
+            S.DEPTH.n = 0
+            S.DEPTH.in_mode = False
             from ._sim_mode import _parse_cache
 
             _parse_cache.clear()

@@ -1,0 +1,607 @@
+"""The simulated multi-GPU machine: torch.cuda answers, tensor placement, CUDA's device checks,
+memory accounting and OOM, inference-only guard, exact restoration on exit."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if torch.version.cuda is None:  # pragma: no cover - the simulator needs the CUDA build
+    pytest.skip("the simulator needs a CUDA build of torch", allow_module_level=True)
+
+import torch.nn.functional as F  # noqa: E402
+
+from devmap_shims.testing import (  # noqa: E402
+    SimulatedAutogradError,
+    is_simulated,
+    real_cpu_tensor,
+    simulated_gpus,
+)
+from devmap_shims.testing import simulator as sim_module  # noqa: E402
+from devmap_shims.testing._sim_machine import format_size, parse_memory  # noqa: E402
+
+NEW_MESSAGES = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 8)
+
+
+def mismatch_ti(a: str, b: str) -> str:
+    return f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}!"
+
+
+def mismatch_exact(common: str, other: str, arg: str, method: str) -> str:
+    if NEW_MESSAGES:
+        return (
+            f"Expected all tensors to be on the same device, but got {arg} is on {other}, different from "
+            f"other tensors on {common} (when checking argument in method {method})"
+        )
+    return (
+        f"Expected all tensors to be on the same device, but found at least two devices, {common} and "
+        f"{other}! (when checking argument for argument {arg} in method {method})"
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# machine and torch.cuda
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec, expected",
+    [("23GiB", 23 * 2**30), ("512MiB", 512 * 2**20), ("10GB", 10 * 10**9), ("1.5 GiB", int(1.5 * 2**30)), (4096, 4096)],
+)
+def test_parse_memory(spec, expected):
+    assert parse_memory(spec) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "12XB", 0, -1, True, None])
+def test_parse_memory_rejects(bad):
+    with pytest.raises((ValueError, TypeError)):
+        parse_memory(bad)
+
+
+def test_format_size_matches_caching_allocator():
+    assert format_size(512) == "512 bytes"
+    assert format_size(1024) == "1024 bytes"
+    assert format_size(1536) == "1.50 KiB"
+    assert format_size(20 * 2**20) == "20.00 MiB"
+    assert format_size(2**30) == "1024.00 MiB"
+    assert format_size(23 * 2**30) == "23.00 GiB"
+
+
+def test_cuda_api_answers_as_the_machine():
+    with simulated_gpus(3, memory=["1GiB", "2GiB", "512MiB"], name="NVIDIA L4") as m:
+        assert torch.cuda.is_available() and torch.cuda.is_initialized()
+        assert torch.cuda.device_count() == m.device_count == 3
+        assert torch.cuda.current_device() == 0
+        assert torch.cuda.get_device_name(1) == "NVIDIA L4"
+        props = torch.cuda.get_device_properties(1)
+        assert props.total_memory == m.capacity(1) == 2 * 2**30
+        assert (props.major, props.minor) == torch.cuda.get_device_capability(1) == (8, 9)
+        assert props.multi_processor_count > 0 and props.name == "NVIDIA L4"
+        assert torch.cuda.mem_get_info(2) == (512 * 2**20, 512 * 2**20)
+        assert torch.cuda.mem_get_info("cuda:1")[1] == 2 * 2**30
+        assert torch.cuda.memory_allocated(0) == torch.cuda.max_memory_allocated(0) == 0
+        assert torch.cuda.memory_reserved(0) == 0
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.init()
+        torch.cuda.set_device(2)
+        assert torch.cuda.current_device() == 2
+        assert torch.ones(1, device="cuda").device == torch.device("cuda", 2)
+        with torch.cuda.device(1):
+            assert torch.cuda.current_device() == 1
+            assert torch.zeros(1, device="cuda").get_device() == 1
+        assert torch.cuda.current_device() == 2
+
+
+def test_invalid_ordinal_raises():
+    with simulated_gpus(2):
+        with pytest.raises(RuntimeError, match="invalid device ordinal"):
+            torch.ones(1, device="cuda:2")
+        with pytest.raises(RuntimeError, match="invalid device ordinal"):
+            torch.ones(1).to(5)
+
+
+def test_torch_accelerator_answers_as_the_machine():
+    acc = getattr(torch, "accelerator", None)
+    if acc is None:
+        pytest.skip("torch.accelerator arrived in torch 2.6")
+    with simulated_gpus(2):
+        assert acc.is_available() and acc.device_count() == 2
+        assert acc.current_accelerator().type == "cuda"
+        acc.set_device_index(1)
+        assert acc.current_device_index() == 1 == torch.cuda.current_device()
+
+
+def test_int_device_is_cuda():
+    with simulated_gpus(2):
+        d = torch.device(1)
+        assert isinstance(d, torch.device) and d == torch.device("cuda", 1)
+        assert torch.zeros(2, device=1).device == d
+
+
+def test_device_standin_for_torch_25_26(monkeypatch):
+    """torch 2.5/2.6 ask the driver in torch.device(0); the stand-in must answer instead."""
+    real_device = torch.device
+    monkeypatch.setattr(sim_module, "FORCE_DEVICE_STANDIN", True)
+    with simulated_gpus(2):
+        assert torch.device is not real_device
+        d = torch.device(1)
+        assert type(d) is real_device and isinstance(d, torch.device)
+        assert torch.device("cuda:0") == real_device("cuda", 0)
+        assert torch.nn.Linear(2, 2).to(1).weight.device == d
+        with torch.device("meta"):
+            assert torch.ones(1).is_meta
+    assert torch.device is real_device
+
+
+def test_nesting_is_refused():
+    with simulated_gpus(2):
+        with pytest.raises(RuntimeError, match="cannot be nested"):
+            with simulated_gpus(1):
+                pass  # pragma: no cover
+        assert torch.cuda.device_count() == 2
+
+
+def test_cpu_build_error(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(RuntimeError) as exc:
+        with simulated_gpus(2):
+            pass  # pragma: no cover
+    msg = str(exc.value)
+    assert "CUDA build of torch" in msg and "CPU-only build" in msg
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cu121" in msg
+    assert "plain PyPI wheel" in msg
+
+
+# ------------------------------------------------------------------------------------------------
+# tensors and modules on simulated devices
+# ------------------------------------------------------------------------------------------------
+def test_factories_and_moves_report_the_device():
+    with simulated_gpus(4):
+        a = torch.tensor([1.0, 2.0], device="cuda:1")
+        assert a.device == torch.device("cuda:1") and a.is_cuda and not a.is_cpu and a.get_device() == 1
+        assert is_simulated(a)
+        assert torch.zeros(2, 2, device=1).device.index == 1
+        b = a.to("cuda:3")
+        assert b.device.index == 3 and b is not a and a.device.index == 1
+        assert a.to("cuda:1") is a and a.cuda(1) is a
+        assert a.cuda().device.index == 0
+        assert torch.ones(1).cuda(2).device.index == 2
+        c = b.cpu()
+        assert c.device.type == "cpu" and not c.is_cuda and c.get_device() == -1 and not is_simulated(c)
+        assert torch.equal(c, torch.tensor([1.0, 2.0]))
+        assert a.to(torch.float16).device.index == 1
+        assert a.to(b).device.index == 3
+        assert torch.empty_like(a).device.index == 1
+        assert a.new_zeros(3).device.index == 1
+        assert a.new_tensor([1, 2]).device.index == 1
+        assert torch.zeros_like(a, device="cpu").device.type == "cpu"
+        assert a.double().device.index == 1
+        assert torch.ones(2).type_as(b).device.index == 3
+        assert a.type() == "torch.cuda.FloatTensor"
+        assert "device='cuda:1'" in repr(a)
+
+
+def test_views_data_and_parameters_share_the_device():
+    with simulated_gpus(2):
+        a = torch.arange(6.0, device="cuda:1").reshape(2, 3)
+        assert a[0].device.index == 1 and a.t().device.index == 1 and a.view(-1).device.index == 1
+        assert a.data.device.index == 1 and a.detach().device.index == 1
+        p = torch.nn.Parameter(a)
+        assert isinstance(p, torch.nn.Parameter) and p.device.index == 1
+        cpu = torch.zeros(1)
+        cpu.data = a
+        assert cpu.device.index == 1
+
+
+def test_modules_move_between_devices():
+    with simulated_gpus(3):
+        lin = torch.nn.Linear(4, 4)
+        assert lin.to("cuda:1").weight.device.index == 1
+        assert lin.cuda(2).bias.device.index == 2
+        assert isinstance(lin.weight, torch.nn.Parameter)
+        assert lin.to(torch.device("cuda", 0)).weight.device.index == 0
+        assert lin.cpu().weight.device.type == "cpu"
+        emb = torch.nn.Embedding(5, 3).to(0)
+        dup = copy.deepcopy(emb)
+        assert dup.weight.device.index == 0 and dup.weight is not emb.weight
+
+
+def test_ops_follow_their_inputs_and_match_cpu():
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    ref = F.softmax(F.linear(x, w), dim=-1)
+    with simulated_gpus(2), torch.no_grad():
+        out = F.softmax(F.linear(x.to(1), w.to(1)), dim=-1)
+        assert out.device.index == 1
+        assert torch.equal(real_cpu_tensor(out), ref)
+        q = torch.randn(1, 2, 4, 8, device="cuda:1")
+        assert F.scaled_dot_product_attention(q, q, q, is_causal=True).device.index == 1
+        values, idx = torch.topk(out, 2)
+        assert values.device.index == 1 and idx.device.index == 1
+        assert [t.device.index for t in out.split(1)] == [1, 1, 1]
+
+
+def test_real_cpu_tensor_and_exit_leave_valid_cpu_tensors():
+    with simulated_gpus(2):
+        a = torch.arange(3.0, device="cuda:1")
+        r = real_cpu_tensor(a)
+        assert r.device.type == "cpu" and torch.equal(r, torch.arange(3.0))
+        assert not is_simulated(r)
+    # after the simulation the same tensor object is an ordinary CPU tensor
+    assert a.device.type == "cpu" and not a.is_cuda and torch.equal(a + 1, torch.arange(1.0, 4.0))
+    assert torch.equal(real_cpu_tensor(a), a)
+
+
+def test_generator_on_a_simulated_device():
+    with simulated_gpus(2):
+        g = torch.Generator(device="cuda:1").manual_seed(0)
+        assert isinstance(g, torch.Generator) and g.device == torch.device("cuda:1")
+        assert isinstance(torch.Generator(), torch.Generator)
+        first = torch.randn(3, generator=g, device="cuda:1")
+        g.manual_seed(0)
+        assert torch.equal(first, torch.randn(3, generator=g, device="cuda:1"))
+        with pytest.raises(RuntimeError, match="Expected a 'cuda' device type for generator but found 'cpu'"):
+            torch.randn(2, generator=torch.Generator(), device="cuda:0")
+        with pytest.raises(RuntimeError, match="Expected a 'cpu' device type for generator but found 'cuda'"):
+            torch.randn(2, generator=g)
+
+
+def test_cuda_rng_is_seeded_by_torch_manual_seed():
+    with simulated_gpus(2):
+        torch.manual_seed(1)
+        a = torch.randn(4, device="cuda:0")
+        torch.manual_seed(1)
+        assert torch.equal(a, torch.randn(4, device="cuda:0"))
+        state = torch.cuda.get_rng_state(0)
+        b = torch.rand(2, device="cuda:0")
+        torch.cuda.set_rng_state(state, 0)
+        assert torch.equal(b, torch.rand(2, device="cuda:0"))
+
+
+def test_streams_events_pinned_memory():
+    with simulated_gpus(2):
+        s = torch.cuda.Stream(device=1)
+        assert s.device == torch.device("cuda:1") and isinstance(s, torch.cuda.Stream)
+        with torch.cuda.stream(s):
+            x = torch.ones(2, device="cuda:1")
+        torch.cuda.current_stream().wait_stream(s)
+        x.record_stream(s)
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        e.synchronize()
+        assert e.query()
+        p = torch.ones(3).pin_memory()
+        assert p.is_pinned() and p.device.type == "cpu"
+        assert torch.empty(2, pin_memory=True).is_pinned()
+        assert p.to("cuda:0", non_blocking=True).device.index == 0
+
+
+def test_numpy_of_a_cuda_tensor_raises_like_cuda():
+    with simulated_gpus(1):
+        with pytest.raises(TypeError, match="can't convert cuda:0 device type tensor to numpy"):
+            torch.ones(2, device="cuda:0").numpy()
+
+
+def test_worker_threads_run_in_the_simulation():
+    with simulated_gpus(2):
+        with ThreadPoolExecutor(2) as pool:
+            t = pool.submit(lambda: torch.ones(2).to("cuda:1")).result()
+        assert t.device.index == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA's device checks
+# ------------------------------------------------------------------------------------------------
+def test_mismatch_between_two_gpus():
+    with simulated_gpus(2):
+        a, b = torch.ones(2, device="cuda:0"), torch.ones(2, device="cuda:1")
+        with pytest.raises(RuntimeError) as exc:
+            a + b
+        assert str(exc.value) == mismatch_ti("cuda:0", "cuda:1")
+        with pytest.raises(RuntimeError) as exc:
+            b * a
+        assert str(exc.value) == mismatch_ti("cuda:1", "cuda:0")
+
+
+@pytest.mark.parametrize("cpu_first", [False, True])
+def test_mismatch_between_cpu_and_gpu(cpu_first):
+    with simulated_gpus(2):
+        g, c = torch.ones(2, device="cuda:1"), torch.ones(2)
+        with pytest.raises(RuntimeError) as exc:
+            (c + g) if cpu_first else (g + c)
+        # TensorIterator names the first non-CPU device first, whatever the operand order
+        assert str(exc.value) == mismatch_ti("cuda:1", "cpu")
+
+
+def test_in_place_on_cpu_with_gpu_operand():
+    with simulated_gpus(1):
+        with pytest.raises(RuntimeError) as exc:
+            torch.zeros(()).add_(torch.ones((), device="cuda:0").expand(()))
+        assert str(exc.value) == mismatch_ti("cuda:0", "cpu")
+
+
+def test_cpu_scalars_and_python_scalars_are_allowed():
+    with simulated_gpus(2):
+        g = torch.ones(3, device="cuda:1")
+        assert (g * torch.tensor(2.0)).device.index == 1
+        assert (torch.tensor(2.0) + g).device.index == 1
+        assert torch.where(g > 0, g, torch.tensor(0.0)).device.index == 1
+        assert (g * 3).device.index == 1
+        assert g[torch.tensor([0, 2])].device.index == 1  # CPU indices index CUDA tensors
+
+
+def test_one_element_cpu_tensor_is_not_a_scalar():
+    with simulated_gpus(1):
+        with pytest.raises(RuntimeError) as exc:
+            torch.ones(3, device="cuda:0") * torch.tensor([2.0])
+        assert str(exc.value) == mismatch_ti("cuda:0", "cpu")
+
+
+def test_index_select_and_embedding_messages():
+    with simulated_gpus(8):
+        w = torch.randn(10, 4, device="cuda:7")
+        idx = torch.tensor([1, 2], device="cuda:0")
+        with pytest.raises(RuntimeError) as exc:
+            torch.index_select(w, 0, idx)
+        assert str(exc.value) == mismatch_exact("cuda:7", "cuda:0", "index", "wrapper_CUDA__index_select")
+        emb = torch.nn.Embedding(10, 4).to("cuda:7")
+        with torch.no_grad(), pytest.raises(RuntimeError) as exc:
+            emb(idx)
+        assert str(exc.value) == mismatch_exact("cuda:7", "cuda:0", "index", "wrapper_CUDA__index_select")
+        with torch.no_grad(), pytest.raises(RuntimeError) as exc:
+            emb(torch.tensor([1]))
+        assert str(exc.value) == mismatch_exact("cuda:7", "cpu", "index", "wrapper_CUDA__index_select")
+
+
+def test_matmul_linear_cat_messages():
+    with simulated_gpus(2), torch.no_grad():
+        x = torch.randn(2, 4, device="cuda:0")
+        with pytest.raises(RuntimeError) as exc:
+            F.linear(x, torch.randn(3, 4))
+        assert str(exc.value) == mismatch_exact("cuda:0", "cpu", "mat2", "wrapper_CUDA_mm")
+        with pytest.raises(RuntimeError) as exc:
+            F.linear(torch.randn(2, 4), torch.randn(3, 4, device="cuda:1"), torch.randn(3, device="cuda:1"))
+        assert str(exc.value) == mismatch_exact("cuda:1", "cpu", "mat1", "wrapper_CUDA_addmm")
+        with pytest.raises(RuntimeError) as exc:
+            x @ torch.randn(4, 2, device="cuda:1")
+        assert str(exc.value) == mismatch_exact("cuda:0", "cuda:1", "mat2", "wrapper_CUDA_mm")
+        with pytest.raises(RuntimeError) as exc:
+            torch.cat([x, torch.randn(2, 4)])
+        assert str(exc.value) == mismatch_exact("cuda:0", "cpu", "tensors", "wrapper_CUDA_cat")
+        with pytest.raises(RuntimeError) as exc:
+            torch.cat([x, torch.tensor(1.0).expand(2, 4)])  # no CPU-scalar allowance outside TensorIterator
+        assert "tensors" in str(exc.value)
+
+
+def test_copy_across_devices_is_allowed():
+    with simulated_gpus(2):
+        dst = torch.zeros(3, device="cuda:1")
+        dst.copy_(torch.arange(3.0))
+        dst.copy_(torch.ones(3, device="cuda:0"))
+        assert dst.device.index == 1 and torch.equal(dst.cpu(), torch.ones(3))
+
+
+def test_moved_copies_are_independent():
+    with simulated_gpus(2):
+        a = torch.zeros(2, device="cuda:0")
+        b = a.to("cuda:1")
+        b.add_(1)
+        assert torch.equal(a.cpu(), torch.zeros(2))
+        c = torch.as_tensor(a, device="cuda:1")
+        assert c.device.index == 1 and a.device.index == 0
+        assert torch.as_tensor(a, device="cuda:0") is a
+
+
+# ------------------------------------------------------------------------------------------------
+# memory accounting and OOM
+# ------------------------------------------------------------------------------------------------
+def test_memory_is_charged_per_storage_and_freed():
+    with simulated_gpus(2, memory="1GiB") as m:
+        a = torch.empty(1000, dtype=torch.float32, device="cuda:1")  # 4000 bytes -> 4096
+        assert m.allocated(1) == torch.cuda.memory_allocated(1) == 4096 and m.allocated(0) == 0
+        v = a[10:20]  # a view costs nothing
+        assert m.allocated(1) == 4096
+        b = torch.empty(3, device="cuda:1")  # rounded to one 512-byte block
+        assert m.allocated(1) == 4096 + 512
+        assert torch.cuda.mem_get_info(1) == (2**30 - 4608, 2**30)
+        del a
+        assert m.allocated(1) == 4608  # the view keeps the storage alive
+        del v
+        gc.collect()
+        assert m.allocated(1) == 512 and m.max_allocated(1) == 4608
+        torch.cuda.reset_peak_memory_stats(1)
+        assert torch.cuda.max_memory_allocated(1) == 512
+        del b
+        assert m.allocated(1) == 0
+
+
+def test_module_memory_moves_with_the_module():
+    with simulated_gpus(2) as m:
+        lin = torch.nn.Linear(128, 128)  # 64 KiB weight + 512 B bias
+        lin.to("cuda:0")
+        assert m.allocated(0) == 128 * 128 * 4 + 512
+        lin.to("cuda:1")
+        assert m.allocated(0) == 0 and m.allocated(1) == 128 * 128 * 4 + 512
+        lin.cpu()
+        assert m.allocated(1) == 0
+
+
+def test_oom_past_capacity_names_the_device():
+    with simulated_gpus(2, memory=["1GiB", "64MiB"]) as m:
+        keep = torch.empty(44 * 2**20, dtype=torch.uint8, device="cuda:1")
+        with pytest.raises(torch.cuda.OutOfMemoryError) as exc:
+            torch.empty(20 * 2**20 + 1, dtype=torch.uint8, device="cuda:1")
+        msg = str(exc.value)
+        assert msg.startswith(
+            "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 1 has a total capacity of 64.00 MiB of which "
+            "20.00 MiB is free."
+        ), msg
+        assert "Of the allocated memory 44.00 MiB is allocated by PyTorch" in msg
+        assert isinstance(exc.value, RuntimeError)
+        assert m.allocated(1) == 44 * 2**20 and m.num_ooms(1) == 1
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="GPU 1 has a total capacity"):
+            torch.ones(6 * 2**20, device="cpu").to("cuda:1")  # 24 MiB move
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="GPU 1 "):
+            keep.float()  # an op's output counts too
+        assert torch.empty(40 * 2**20, dtype=torch.uint8, device="cuda:0").device.index == 0
+        del keep
+
+
+def test_oom_type_is_torchs():
+    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    with simulated_gpus(1, memory="1MiB"):
+        with pytest.raises(oom):
+            torch.zeros(2**20, device="cuda:0")
+
+
+# ------------------------------------------------------------------------------------------------
+# inference only
+# ------------------------------------------------------------------------------------------------
+def test_autograd_is_refused_with_a_clear_message():
+    with simulated_gpus(1):
+        lin = torch.nn.Linear(2, 2).to("cuda:0")
+        x = torch.ones(1, 2, device="cuda:0")
+        with pytest.raises(SimulatedAutogradError, match="inference only.*torch.no_grad"):
+            lin(x)
+        with torch.no_grad():
+            assert lin(x).device.index == 0
+        with torch.inference_mode():
+            assert lin(x).device.index == 0
+        leaf = torch.ones(2, device="cuda:0", requires_grad=True)
+        with pytest.raises(SimulatedAutogradError):
+            leaf.backward(torch.ones(2, device="cuda:0"))
+
+
+# ------------------------------------------------------------------------------------------------
+# restoration
+# ------------------------------------------------------------------------------------------------
+def _owners():
+    owners = [torch, torch.Tensor, torch.cuda, torch.cuda.memory, torch.cuda.random, torch.cuda.streams]
+    if hasattr(torch, "accelerator"):
+        owners.append(torch.accelerator)
+        if hasattr(torch.accelerator, "memory"):
+            owners.append(torch.accelerator.memory)
+    import concurrent.futures
+
+    owners.append(concurrent.futures.ThreadPoolExecutor)
+    return owners
+
+
+def _snapshot():
+    return {id(o): dict(o.__dict__) for o in _owners()}
+
+
+def _assert_same(before, after):
+    for o in _owners():
+        b, a = before[id(o)], after[id(o)]
+        assert set(b) == set(a), (o, set(a) ^ set(b))
+        changed = [k for k in b if a[k] is not b[k]]
+        assert not changed, (o, changed)
+
+
+def test_exit_restores_every_patched_attribute_exactly():
+    before = _snapshot()
+    stack = torch.overrides._get_current_function_mode_stack()
+    with simulated_gpus(2, memory="2GiB") as m:
+        patched = list(m._patched)
+        assert len(patched) > 20
+        assert any(owner is torch.Tensor and name == "device" for owner, name in patched)
+        t = torch.ones(2, device="cuda:1")
+    _assert_same(before, _snapshot())
+    for owner, name in patched:
+        assert owner.__dict__.get(name) is before[id(owner)].get(name)
+    assert torch.overrides._get_current_function_mode_stack() == stack
+    assert not torch.cuda.is_available() or torch.cuda.device_count() != 2
+    assert t.device.type == "cpu"
+
+
+def test_exit_restores_after_an_error():
+    before = _snapshot()
+    with pytest.raises(ValueError):
+        with simulated_gpus(2):
+            torch.ones(1, device="cuda:1")
+            raise ValueError("boom")
+    _assert_same(before, _snapshot())
+    with simulated_gpus(3) as m:  # a fresh machine: nothing left from the previous one
+        assert m.allocated(1) == 0 and torch.cuda.device_count() == 3
+
+
+def test_nothing_leaks_into_the_next_simulation():
+    with simulated_gpus(2) as m1:
+        a = torch.ones(4, device="cuda:1")
+    with simulated_gpus(2) as m2:
+        assert not is_simulated(a) and a.device.type == "cpu"
+        assert m2.allocated(1) == 0
+        assert torch.cuda.current_device() == 0
+    assert m1 is not m2
+
+
+# ------------------------------------------------------------------------------------------------
+# parity with a real GPU (run where one is present)
+# ------------------------------------------------------------------------------------------------
+def _real_cuda() -> bool:
+    try:
+        return torch.cuda.is_available() and torch.cuda.device_count() > 0
+    except Exception:  # pragma: no cover
+        return False
+
+
+REAL_GPU = _real_cuda()
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not REAL_GPU, reason="needs a real CUDA GPU")
+
+
+def _outcome(fn):
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001 - the outcome is what is compared
+        return type(e).__name__, str(e).split("\n")[0]
+    return "ok", str(out.device) if isinstance(out, torch.Tensor) else repr(out)
+
+
+PARITY_SCENARIOS = {
+    "cuda_plus_cpu": lambda: torch.ones(2, device="cuda:0") + torch.ones(2),
+    "cpu_plus_cuda": lambda: torch.ones(2) + torch.ones(2, device="cuda:0"),
+    "cpu_scalar_ok": lambda: torch.ones(2, device="cuda:0") * torch.tensor(3.0),
+    "embedding_cpu_index": lambda: F.embedding(torch.tensor([0]), torch.ones(3, 2, device="cuda:0")),
+    "linear_cpu_weight": lambda: F.linear(torch.ones(2, 4, device="cuda:0"), torch.ones(3, 4)),
+    "linear_cpu_input_bias": lambda: F.linear(
+        torch.ones(2, 4), torch.ones(3, 4, device="cuda:0"), torch.ones(3, device="cuda:0")
+    ),
+    "cat_cpu": lambda: torch.cat([torch.ones(2, device="cuda:0"), torch.ones(2)]),
+    "cpu_index_ok": lambda: torch.arange(4.0, device="cuda:0")[torch.tensor([1, 3])],
+    "to_same_is_self": lambda: (lambda t: t.to("cuda:0") is t)(torch.ones(1, device="cuda:0")),
+    "numpy": lambda: torch.ones(1, device="cuda:0").numpy(),
+}
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("name", sorted(PARITY_SCENARIOS))
+def test_parity_with_real_cuda0(name):
+    fn = PARITY_SCENARIOS[name]
+    with torch.no_grad():
+        real = _outcome(fn)
+        with simulated_gpus(1, memory="8GiB"):
+            simulated = _outcome(fn)
+    assert simulated == real
+
+
+@gpu
+@needs_gpu
+def test_parity_oom_message_shape():
+    free, total = torch.cuda.mem_get_info(0)
+    try:
+        torch.empty(total * 2, dtype=torch.uint8, device="cuda:0")
+    except torch.cuda.OutOfMemoryError as e:
+        real = str(e)
+    with simulated_gpus(1, memory=total):
+        with pytest.raises(torch.cuda.OutOfMemoryError) as exc:
+            torch.empty(total * 2, dtype=torch.uint8, device="cuda:0")
+    shape = re.compile(r"CUDA out of memory\. Tried to allocate [\d.]+ [KMG]iB\. GPU 0 has a total capacity of ")
+    assert shape.match(real) and shape.match(str(exc.value))

@@ -27,19 +27,22 @@ very same object).
 from __future__ import annotations
 
 import copy
-import inspect
-import logging
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from devmap_shims.hooks._lazy import LazyLogger
 from devmap_shims.shims import Shim, Target
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing, inspect and logging would cost install() its start-up budget
+    import inspect
+    from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 BUG_ID = "balanced-memory-large-unquantized-embedding-collapse"
 SHIM_ID = "device-map-balance"
 STRATEGIES = ("auto", "balanced", "balanced_low_0")
 
-logger = logging.getLogger("devmap_shims.hooks.device_map")
+logger = LazyLogger("devmap_shims.hooks.device_map")
 
 _HERE = "devmap_shims.hooks.device_map"
 
@@ -83,6 +86,8 @@ def _bind(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Mapping[str, 
     key = getattr(func, "__wrapped__", func)
     sig = _SIGNATURES.get(key)
     if sig is None:
+        import inspect
+
         sig = _SIGNATURES[key] = inspect.signature(func)
     bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()

@@ -1,0 +1,76 @@
+"""Run every benchmark, print one table and write benchmarks/results.json.
+
+    python benchmarks/run_all.py            # all of them (several minutes on 2 cores)
+    python benchmarks/run_all.py startup    # only the named ones
+
+Each benchmark module has a ``run()`` returning rows (dicts with at least ``benchmark``,
+``value``, ``unit``, ``target`` and ``met``); measurements are side by side in one run and
+reported as medians and ratios, never as timed tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BENCHMARKS = ("startup", "device_map", "pipeline_to", "generate", "simulator")
+
+
+def machine() -> dict:
+    import os
+
+    info = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    from devmap_shims.versions import installed_versions
+
+    info["versions"] = installed_versions()
+    return info
+
+
+def main(names) -> int:
+    sys.path.insert(0, str(HERE))
+    rows, failures = [], []
+    for name in names:
+        start = time.perf_counter()
+        print(f"== {name} ...", file=sys.stderr, flush=True)
+        try:
+            module = importlib.import_module(f"bench_{name}")
+            result = module.run()
+        except Exception as exc:  # one broken benchmark must not hide the others
+            failures.append({"benchmark": name, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        for row in result if isinstance(result, list) else result.get("rows", [result]):
+            row = dict(row)
+            row.setdefault("group", name)
+            rows.append(row)
+        print(f"   {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    width = max([len(str(r.get("benchmark", ""))) for r in rows] + [20])
+    print(f"{'benchmark':{width}}  {'value':>12}  {'baseline':>10}  {'ratio':>7}  target        met")
+    for r in rows:
+        value = f"{r.get('value')} {r.get('unit', '')}"
+        ratio = r.get("ratio")
+        print(
+            f"{str(r.get('benchmark')):{width}}  {value:>12}  {str(r.get('baseline', '')):>10}  "
+            f"{(f'{ratio:.3f}' if isinstance(ratio, (int, float)) else '-'):>7}  {str(r.get('target', '')):12}  "
+            f"{'yes' if r.get('met') else 'NO'}"
+        )
+    for f in failures:
+        print(f"FAILED {f['benchmark']}: {f['error']}")
+    out = {"machine": machine(), "rows": rows, "failures": failures}
+    (HERE / "results.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
+    print(f"\nwrote {HERE / 'results.json'}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:] or BENCHMARKS))

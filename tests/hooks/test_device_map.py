@@ -1,0 +1,290 @@
+"""The device-map-balance wrappers, called directly with the real library functions, and through
+the engine (``devmap_shims.install``) on a meta-device Gemma-2-27B skeleton."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections import OrderedDict
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytest.importorskip("bitsandbytes")
+
+import accelerate.utils.modeling as am  # noqa: E402
+import transformers  # noqa: E402
+
+import devmap_shims  # noqa: E402
+from devmap_shims.hooks import device_map as hook  # noqa: E402
+from devmap_shims.planning import stack  # noqa: E402
+
+GiB = 2**30
+V5 = int(transformers.__version__.split(".")[0]) >= 5
+LOGGER = "devmap_shims.hooks.device_map"
+
+GEMMA_27B = dict(
+    vocab_size=256000, hidden_size=4608, intermediate_size=36864, num_hidden_layers=46,
+    num_attention_heads=32, num_key_value_heads=16, head_dim=128, tie_word_embeddings=True,
+)
+MISTRAL_7B = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return stack.build_meta_model(transformers.Gemma2Config(**GEMMA_27B), "bfloat16", "4bit")
+
+
+@pytest.fixture(scope="module")
+def mistral_bf16():
+    return stack.build_meta_model(transformers.MistralConfig(**MISTRAL_7B), "bfloat16", "none")
+
+
+def gpus(n, gib=23, cpu=180):
+    mm = {i: gib * GiB for i in range(n)}
+    mm["cpu"] = cpu * GiB
+    return mm
+
+
+def repairs(caplog):
+    return [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.INFO]
+
+
+# -- the declaration ----------------------------------------------------------------------------
+
+
+def test_declared_targets_exist_with_the_expected_parameters_on_this_stack():
+    import importlib
+
+    (shim,) = hook.SHIMS
+    assert shim.id == hook.SHIM_ID and hook.BUG_ID in shim.fixes
+    checked = 0
+    for target in shim.targets:
+        if target.when.get("transformers") == ">=5" and not V5:
+            continue
+        module = importlib.import_module(target.module)
+        func = getattr(module, target.qualname)
+        params = inspect.signature(func).parameters
+        assert set(target.expect_params) <= set(params), target.key
+        checked += 1
+    assert checked == (3 if V5 else 2)
+
+
+def test_importing_the_hook_module_imports_no_target_library():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, devmap_shims.hooks.device_map as h; "
+        "bad = [m for m in ('torch', 'transformers', 'accelerate', 'bitsandbytes') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+# -- wrappers called with the real originals ------------------------------------------------------
+
+
+def test_collapsed_map_is_repaired_with_one_info_line(gemma, caplog):
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    plain = stack.device_map_step(gemma, "auto", gpus(8), shim=False)
+    assert len(repairs(caplog)) == 0
+    fixed = stack.device_map_step(gemma, "auto", gpus(8), shim=True)
+    assert set(plain.values()) != set(range(8))
+    assert set(fixed.values()) == set(range(8))
+    lines = repairs(caplog)
+    assert len(lines) == 1
+    assert hook.BUG_ID in lines[0].getMessage()
+    assert isinstance(fixed, OrderedDict), "the map keeps the type the library returns"
+
+
+def test_sequential_map_is_returned_unchanged(gemma, caplog):
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    plain = stack.device_map_step(gemma, "sequential", gpus(8), shim=False)
+    shimmed = stack.device_map_step(gemma, "sequential", gpus(8), shim=True)
+    assert shimmed == plain and not repairs(caplog)
+
+
+def test_healthy_balanced_map_is_returned_unchanged(mistral_bf16, caplog):
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    plain = stack.device_map_step(mistral_bf16, "auto", gpus(4, 24), shim=False)
+    shimmed = stack.device_map_step(mistral_bf16, "auto", gpus(4, 24), shim=True)
+    assert len(set(plain.values())) == 4
+    assert shimmed == plain and not repairs(caplog)
+
+
+def test_result_object_is_passed_through_untouched_when_nothing_is_wrong(gemma):
+    sentinel = OrderedDict([("", 0)])
+    calls = []
+
+    def fake_original(model, device_map, max_memory, hf_quantizer):
+        calls.append(device_map)
+        return sentinel if isinstance(device_map, str) else device_map
+
+    explicit = {"model": 0, "lm_head": 0}
+    assert hook.repair_get_device_map(fake_original, None, (gemma.model, explicit, None, None), {}) is explicit
+    out = hook.repair_get_device_map(fake_original, None, (gemma.model, "sequential", None, None), {})
+    assert out is sentinel and calls == [explicit, "sequential"]
+
+
+def test_explicit_dict_map_is_returned_unchanged_by_the_library_path(gemma):
+    explicit = {"": 3}
+    if V5:
+        from transformers.integrations import accelerate as tia
+
+        original = stack.original(tia._get_device_map)
+        out = hook.repair_get_device_map(original, None, (gemma.model, explicit, None, None), {})
+        assert out == explicit
+    else:
+        # transformers 4.x never calls accelerate's placer for a dict map; a direct
+        # infer_auto_device_map call without balancing is not touched either
+        original = stack.original(am.infer_auto_device_map)
+        kwargs = dict(max_memory={i: 2 * GiB for i in range(8)}, no_split_module_classes=["Gemma2DecoderLayer"])
+        with stack.quiet_missing_devices():
+            direct = original(gemma.model, **kwargs)
+            through = hook.repair_infer_auto_device_map(original, None, (gemma.model,), dict(kwargs))
+        assert through == direct
+
+
+def accelerate_pair_inputs(meta):
+    """What transformers 4.x passes to accelerate's pair for a bnb 4-bit model."""
+    import torch
+    from accelerate.utils import CustomDtype
+
+    model = meta.model
+    special = {
+        n: torch.bfloat16 for n, _ in model.named_parameters()
+        if "Linear4bit" not in type(model.get_submodule(n.rpartition(".")[0])).__name__ or n.endswith("bias")
+    }
+    model.tie_weights()
+    return model, dict(no_split_module_classes=list(model._no_split_modules), dtype=CustomDtype.INT4,
+                       special_dtypes=special)
+
+
+def run_pair(model, user, kwargs, factor=0.9, shim=True, second_infer=False):
+    gbm = stack.original(am.get_balanced_memory)
+    iadm = stack.original(am.infer_auto_device_map)
+    if shim:
+        call_gbm = lambda *a, **k: hook.remember_balanced_memory(gbm, None, a, k)  # noqa: E731
+        call_iadm = lambda *a, **k: hook.repair_infer_auto_device_map(iadm, None, a, k)  # noqa: E731
+    else:
+        call_gbm, call_iadm = gbm, iadm
+    with stack.quiet_missing_devices():
+        balanced = call_gbm(model, max_memory=None if user is None else dict(user), **kwargs)
+        balanced = {k: v * factor for k, v in balanced.items()}
+        first = call_iadm(model, max_memory=balanced, **kwargs)
+        if second_infer:
+            return first, call_iadm(model, max_memory=balanced, **kwargs)
+    return first
+
+
+def test_accelerate_pair_is_repaired_and_the_record_is_used_once(gemma):
+    model, kwargs = accelerate_pair_inputs(gemma)
+    first, second = run_pair(model, gpus(8, cpu=0), kwargs, second_infer=True)
+    assert set(first.values()) == set(range(8))
+    assert second == run_pair(model, gpus(8, cpu=0), kwargs, shim=False), (
+        "a later infer_auto_device_map call without a new get_balanced_memory is the library's own"
+    )
+
+
+def test_accelerate_pair_respects_user_caps_after_the_quantizer_adjustment(gemma):
+    model, kwargs = accelerate_pair_inputs(gemma)
+    user = {i: 3 * GiB for i in range(8)}
+    fixed = run_pair(model, user, kwargs)
+    sizes = am.compute_module_sizes(model, dtype=kwargs["dtype"], special_dtypes=kwargs["special_dtypes"])
+    per = {}
+    for name, dev in fixed.items():
+        per[dev] = per.get(dev, 0) + sizes[name]
+    assert set(per) == set(range(8))
+    assert all(v <= 0.9 * 3 * GiB for v in per.values()), per
+
+
+def test_accelerate_pair_left_alone_when_budgets_are_raised_in_between(gemma):
+    model, kwargs = accelerate_pair_inputs(gemma)
+    raised = run_pair(model, gpus(8, cpu=0), kwargs, factor=1.5)
+    plain = run_pair(model, gpus(8, cpu=0), kwargs, factor=1.5, shim=False)
+    assert raised == plain
+
+
+def test_balanced_low_0_keeps_gpu0_empty(gemma):
+    fixed = stack.device_map_step(gemma, "balanced_low_0", gpus(8), shim=True)
+    assert 0 not in fixed.values() and set(fixed.values()) == set(range(1, 8))
+
+
+def test_original_exceptions_propagate_unchanged(gemma):
+    def broken(*args, **kwargs):
+        raise ValueError("library says no")
+
+    with pytest.raises(ValueError, match="library says no"):
+        hook.repair_get_device_map(broken, None, (gemma.model, "auto", None, None), {})
+    with pytest.raises(ValueError, match="library says no"):
+        hook.repair_infer_auto_device_map(broken, None, (gemma.model,), {})
+    with pytest.raises(ValueError, match="library says no"):
+        hook.remember_balanced_memory(broken, None, (gemma.model,), {})
+
+
+# -- through the engine ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def installed():
+    devmap_shims.uninstall()
+    assert devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+    yield
+    devmap_shims.uninstall()
+
+
+def _library_step(meta, strategy, max_memory):
+    """The from_pretrained step through the module attributes (wrapped or not), not stack.original."""
+    if V5:
+        from transformers.integrations import accelerate as tia
+
+        with stack.quiet_missing_devices(), stack._no_environment_check(meta.quantizer):
+            return tia._get_device_map(meta.model, strategy, dict(max_memory), meta.quantizer)
+    model, q, dt = meta.model, meta.quantizer, meta.dtype
+    special = q.get_special_dtypes_update(model, dt)
+    target = q.adjust_target_dtype(dt)
+    no_split = model._get_no_split_modules(strategy)
+    with stack.quiet_missing_devices():
+        mm = transformers.modeling_utils.get_balanced_memory(
+            model, dtype=target, low_zero=False, max_memory=dict(max_memory),
+            no_split_module_classes=no_split, special_dtypes=special,
+        )
+        mm = q.adjust_max_memory(mm)
+        model.tie_weights()
+        return transformers.modeling_utils.infer_auto_device_map(
+            model, dtype=target, max_memory=mm, no_split_module_classes=no_split, special_dtypes=special,
+        )
+
+
+def test_installed_shim_repairs_the_map_at_the_call_sites_from_pretrained_uses(gemma, installed, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    fixed = _library_step(gemma, "auto", gpus(8))
+    assert set(fixed.values()) == set(range(8))
+    assert len(repairs(caplog)) == 1
+    devmap_shims.uninstall()
+    plain = _library_step(gemma, "auto", gpus(8))
+    assert set(plain.values()) != set(range(8))
+    assert len(repairs(caplog)) == 1
+
+
+def test_status_reports_the_shim_active(installed):
+    import accelerate.utils.modeling  # noqa: F401
+
+    status = devmap_shims.status()
+    (entry,) = [s for s in status["shims"] if s["id"] == hook.SHIM_ID]
+    states = {t["target"]: t["state"] for t in entry["targets"]}
+    assert states["accelerate.utils.modeling:infer_auto_device_map"] == "active"
+    assert states["accelerate.utils.modeling:get_balanced_memory"] == "active"
+    if V5:
+        import transformers.integrations.accelerate  # noqa: F401
+
+        status = devmap_shims.status()
+        (entry,) = [s for s in status["shims"] if s["id"] == hook.SHIM_ID]
+        states = {t["target"]: t["state"] for t in entry["targets"]}
+        assert states["transformers.integrations.accelerate:_get_device_map"] == "active"

@@ -16,6 +16,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from . import _sim_state
+
 MemorySpec = Union[int, str]
 
 _BLOCK = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize
@@ -160,8 +162,8 @@ class SimulatedMachine:
             )
             for i, cap in enumerate(caps)
         ]
-        # storage key -> (weakref to the storage object, device, charged bytes)
-        self._storages: Dict[int, Tuple[weakref.ref, int, int]] = {}
+        # storage key -> weak reference to the storage object, carrying its device and charged bytes
+        self._storages: Dict[int, _StorageRef] = {}
         self.oom_message: Callable[[int, int], str] = self._default_oom_message
 
     # ------------------------------------------------------------------ public queries
@@ -245,11 +247,14 @@ class SimulatedMachine:
         if self._allocated[device] > self._peak[device]:
             self._peak[device] = self._allocated[device]
         self._num_allocs[device] += 1
-        self._storages[key] = (weakref.ref(storage, self._release_callback(key)), device, nbytes)
+        ref = _StorageRef(storage, self._on_storage_freed)
+        ref.key, ref.device, ref.nbytes = key, device, nbytes
+        self._storages[key] = ref
 
     def _recharge(self, storage: torch.UntypedStorage, key: int) -> None:
         """Follow a storage resized in place (``resize_``, ``out=``)."""
-        ref, device, old = self._storages[key]
+        ref = self._storages[key]
+        device, old = ref.device, ref.nbytes
         new = round_block(storage.nbytes())
         if new == old:
             return
@@ -258,30 +263,22 @@ class SimulatedMachine:
             raise _oom_error_type()(self.oom_message(device, new - old))
         self._allocated[device] += new - old
         self._peak[device] = max(self._peak[device], self._allocated[device])
-        self._storages[key] = (ref, device, new)
+        ref.nbytes = new
 
-    def _release_callback(self, key: int) -> Callable[[weakref.ref], None]:
-        machine_ref = weakref.ref(self)
-
-        def release(_ref: weakref.ref) -> None:
-            machine = machine_ref()
-            if machine is not None:
-                machine._release(key)
-
-        return release
-
-    def _release(self, key: int) -> None:
-        from . import _sim_state
-
-        rec = self._storages.pop(key, None)
-        if rec is None:
-            return
-        _ref, device, nbytes = rec
-        self._allocated[device] -= nbytes
-        _sim_state.DEVICE_OF.pop(key, None)
+    def _on_storage_freed(self, ref: "_StorageRef") -> None:
+        if self._storages.get(ref.key) is ref:
+            del self._storages[ref.key]
+            self._allocated[ref.device] -= ref.nbytes
+            _sim_state.DEVICE_OF.pop(ref.key, None)
 
     def _drop_all(self) -> None:
         self._storages.clear()
+
+
+class _StorageRef(weakref.ref):
+    """Weak reference to a storage on a simulated GPU; its callback releases the bytes."""
+
+    __slots__ = ("key", "device", "nbytes")
 
 
 def _oom_error_type() -> type:
@@ -289,8 +286,6 @@ def _oom_error_type() -> type:
 
 
 def _alloc_conf_doc_url() -> str:
-    from . import _sim_state
-
     if _sim_state.TORCH_VERSION >= (2, 8):
         return "https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf"
     return "https://pytorch.org/docs/stable/notes/cuda.html#environment-variables"

@@ -25,6 +25,7 @@ _TensorBase = torch._C.TensorBase
 _Tensor = torch.Tensor
 _CPU = torch.device("cpu")
 _real_device_get = _TensorBase.device.__get__
+_real_is_cpu = _TensorBase.is_cpu.__get__
 _MISSING = object()
 
 Target = Union[int, torch.device]  # int: simulated cuda index; torch.device: a real device
@@ -117,7 +118,7 @@ def tag(t: torch.Tensor, idx: int, skip: Optional[set] = None) -> None:
         return
     if sid in S.DEVICE_OF or (skip and sid in skip):
         return
-    if _real_device_get(t).type != "cpu":  # meta tensors and friends stay what they are
+    if not _real_is_cpu(t):  # meta tensors and friends stay what they are
         return
     S.MACHINE._charge(t.untyped_storage(), sid, idx)
     S.DEVICE_OF[sid] = idx
@@ -482,67 +483,87 @@ def _retarget(out: Any, inputs: List[torch.Tensor], target: int) -> Any:
 
 
 def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
-    dev = kwargs.get("device", None)
-    if dev is not None:
-        return run_with_device(func, args, kwargs, dev)
-
-    ts = _collect(args, kwargs)
+    if kwargs:
+        dev = kwargs.get("device", None)
+        if dev is not None:
+            return run_with_device(func, args, kwargs, dev)
+        ts = _collect(args, kwargs)
+    else:
+        ts = []
+        for a in args:
+            if isinstance(a, _Tensor):
+                ts.append(a)
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, _Tensor):
+                        ts.append(b)
     if not ts:
         if kwargs.get("generator") is not None:
             _check_generator(kwargs, _CPU)
         if kwargs.get("pin_memory"):
             return run_with_device(func, args, kwargs, _CPU)
         return func(*args, **kwargs)
+
+    device_of = S.DEVICE_OF
     keys: List[Any] = []
-    any_sim = False
-    mixed = False
-    first = None
     for t in ts:
         try:
-            idx = S.DEVICE_OF.get(_storage_id(t))
+            keys.append(device_of.get(_storage_id(t)))
         except (RuntimeError, TypeError):
-            idx = None
-        if idx is None:
-            k = _real_device_get(t)
-        else:
-            k = idx
-            any_sim = True
-        if first is None:
-            first = k
-        elif k != first:
+            keys.append(None)
+    common = keys[0]
+    mixed = False
+    for k in keys:
+        if k != common:
             mixed = True
-        keys.append(k)
-    if not any_sim:
-        return func(*args, **kwargs)
-
-    exact = _EXACT.get(func)
-    common: Any = first
-    if exact is not None:
-        spec = exact(args, kwargs)
-        if spec is not None:
-            common = check_exact(*spec)
-            mixed = False
-    if mixed:
-        name = getattr(func, "__name__", "")
-        first_is_output = name.endswith("_") and not name.endswith("__")
-        common = check_ti(ts, keys, first_is_output)
-    if not isinstance(common, int):
-        # e.g. an op between a meta tensor and ... nothing simulated in the lead: run as is
-        return func(*args, **kwargs)
-
+            break
     skip = None
-    if mixed or exact is not None:
-        skip = {_storage_id(t) for t, k in zip(ts, keys) if not isinstance(k, int)} or None
+    if mixed:
+        common, skip = _check_mixed(func, args, kwargs, ts, keys)
+    if common is None:  # nothing on a simulated GPU (or a real non-CPU device leads): run as is
+        return func(*args, **kwargs)
+
     if func in RANDOM_ON_TENSORS and kwargs.get("generator") is None:
         from ._sim_cuda import default_generator
 
         kwargs = dict(kwargs)
         kwargs["generator"] = default_generator(common)
     out = func(*args, **kwargs)
-    if func not in _NO_GRAD_CHECK and torch.is_grad_enabled():
-        _check_grad(func, out, common)
-    tag_all(out, common, skip)
+    if isinstance(out, _Tensor):
+        if out.requires_grad and torch.is_grad_enabled() and func not in _NO_GRAD_CHECK:
+            raise _autograd_error(func, common)
+        try:
+            sid = _storage_id(out)
+        except (RuntimeError, TypeError):
+            return out
+        if sid not in device_of and not (skip and sid in skip) and _real_is_cpu(out):
+            S.MACHINE._charge(out.untyped_storage(), sid, common)
+            device_of[sid] = common
+        return out
+    if isinstance(out, (tuple, list)):
+        if torch.is_grad_enabled() and func not in _NO_GRAD_CHECK:
+            _check_grad(func, out, common)
+        tag_all(out, common, skip)
     return out
+
+
+def _check_mixed(
+    func: Any, args: Sequence[Any], kwargs: Dict[str, Any], ts: List[torch.Tensor], keys: List[Any]
+) -> Tuple[Any, Optional[set]]:
+    """Operands on different devices: CUDA's checks; returns (common simulated index or None, untagged sids)."""
+    real_keys = [k if k is not None else _real_device_get(t) for t, k in zip(ts, keys)]
+    if all(k is None for k in keys):
+        return None, None
+    exact = _EXACT.get(func)
+    spec = exact(args, kwargs) if exact is not None else None
+    if spec is not None:
+        common = check_exact(*spec)
+    else:
+        name = getattr(func, "__name__", "")
+        first_is_output = name.endswith("_") and not name.endswith("__")
+        common = check_ti(ts, real_keys, first_is_output)
+    skip = {_storage_id(t) for t, k in zip(ts, keys) if k is None} or None
+    return (common if isinstance(common, int) else None), skip
 
 
 # ---------------------------------------------------------------------------------------------

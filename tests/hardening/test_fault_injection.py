@@ -1,0 +1,105 @@
+"""A shim whose repair raises must leave the user's call exactly as the unpatched library makes it.
+
+Every shim is forced on (so this runs on every stack) with its repair replaced by one that raises,
+before or after calling the original, and each matrix scenario is replayed: the outcome must equal
+the outcome without shims, one warning per shim must be logged (not one per call), status() must
+say failed; in strict mode the error must surface.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import devmap_shims
+from devmap_shims.compat_matrix import load_matrix
+from devmap_shims.scenarios import load_all, replay
+from devmap_shims.shims import registry as reg
+
+MATRIX = load_matrix()
+SCENARIOS = load_all()
+CASES = [
+    pytest.param(row.shim, item, id=f"{row.shim}/{item.func.__name__}")
+    for row in MATRIX.rows
+    if row.shim
+    for item in SCENARIOS.get(row.id, [])
+]
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def raise_before(wrapped, instance, args, kwargs):
+    raise Injected("repair failed before the call")
+
+
+def raise_after(wrapped, instance, args, kwargs):
+    wrapped(*args, **kwargs)
+    raise Injected("repair failed after the call")
+
+
+@pytest.fixture
+def broken_repairs(monkeypatch):
+    def use(repair):
+        monkeypatch.setattr(reg, "resolve_ref", lambda ref: repair)
+
+    yield use
+    devmap_shims.uninstall()
+    reg.REGISTRY.warnings.clear()
+    reg.REGISTRY.strict = False
+
+
+@pytest.mark.parametrize("repair", [raise_before, raise_after], ids=["before", "after"])
+@pytest.mark.parametrize("shim_id, item", CASES)
+def test_failing_repair_falls_back_to_the_library(shim_id, item, repair, broken_repairs, monkeypatch):
+    reference = replay(item, shims=False)
+    if reference.unavailable:
+        pytest.skip(reference.detail)
+    broken_repairs(repair)
+    monkeypatch.setenv("DEVMAP_SHIMS_FORCE", shim_id)
+    reg.REGISTRY.warnings.clear()
+    outcome = replay(item, shims=True, shim_id=shim_id)
+    assert (outcome.ok, outcome.detail.split(" in ")[0][:80]) == (reference.ok, reference.detail.split(" in ")[0][:80])
+    warnings = [w for w in reg.REGISTRY.warnings if f"shim {shim_id!r}" in w]
+    if "failed" in outcome.shim_states:
+        assert len(warnings) == 1, warnings  # once per shim, however many calls
+        assert "Injected" in warnings[0]
+    else:
+        assert warnings == []  # the scenario never reached the target
+
+
+@pytest.mark.parametrize("shim_id, item", CASES)
+def test_strict_mode_surfaces_the_failure(shim_id, item, broken_repairs, monkeypatch):
+    reference = replay(item, shims=False)
+    if reference.unavailable:
+        pytest.skip(reference.detail)
+    broken_repairs(raise_before)
+    monkeypatch.setenv("DEVMAP_SHIMS_FORCE", shim_id)
+    monkeypatch.setenv("DEVMAP_SHIMS_STRICT", "1")
+    outcome = replay(item, shims=True, shim_id=shim_id)
+    if "failed" in outcome.shim_states or not outcome.ok:
+        assert not outcome.ok and "ShimError" in outcome.detail, outcome.detail
+
+
+def test_failing_post_import_hook_does_not_break_import_accelerate():
+    pytest.importorskip("accelerate")
+    code = (
+        "import devmap_shims\n"
+        "from devmap_shims.shims import registry\n"
+        "def broken(*a, **k):\n    raise RuntimeError('hook exploded')\n"
+        "registry._arm = broken\n"
+        "devmap_shims.install()\n"
+        "import accelerate.utils.modeling as m\n"
+        "states = [t['state'] for s in devmap_shims.status()['shims'] for t in s['targets'] "
+        "if t['target'].startswith('accelerate.utils.modeling')]\n"
+        "print('IMPORTED', m.infer_auto_device_map.__name__, sorted(set(states)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "IMPORTED infer_auto_device_map ['failed']" in proc.stdout
+    assert "hook exploded" in proc.stderr

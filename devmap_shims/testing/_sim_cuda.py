@@ -460,8 +460,15 @@ def cuda_namespace() -> Dict[str, Any]:
     }
 
 
+def current_accelerator(check_available: bool = False) -> torch.device:
+    return _RealDevice("cuda")
+
+
 def accelerator_namespace() -> Dict[str, Any]:
     return {
+        "current_accelerator": current_accelerator,
+        "is_available": is_available,
+        "device_count": device_count,
         "current_device_index": current_device,
         "current_device_idx": current_device,
         "set_device_index": set_device,

@@ -1,0 +1,352 @@
+"""``devmap-shims plan``: the device map ``from_pretrained`` would compute, without weights or GPUs.
+
+::
+
+    devmap-shims plan ./gemma-2-27b/config.json --gpus 8x23GiB --quantization 4bit
+    devmap-shims plan ./llama-3-70b --gpus 8x80GiB --dtype bfloat16 --json
+
+The model is built on the meta device from a local ``config.json`` (no Hub access), bitsandbytes
+modules are swapped in for 4-bit / 8-bit the way ``from_pretrained(quantization_config=...)``
+does, and the installed stack's own device-map step runs with ``max_memory`` set to the described
+GPUs (each fully free) and CPU. By default the map is the one you get with devmap-shims installed;
+``--without-shims`` shows the library's own.
+
+Exit status: 0 when the map is healthy, 1 when it is degenerate (collapsed, skipped GPU,
+offloaded, imbalanced), 2 for a usage error (unreadable config, not a causal LM, bad topology).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from devmap_shims.planning.sizes import TopologyError, format_bytes, parse_gpus, parse_size
+
+EXIT_OK, EXIT_DEGENERATE, EXIT_USAGE = 0, 1, 2
+PROG = "devmap-shims plan"
+
+
+class PlanError(Exception):
+    """One line for the user; exit status 2."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="CONFIG", help="a local config.json, or a folder holding one")
+    parser.add_argument("--gpus", required=True, metavar="TOPOLOGY",
+                        help="GPU count and memory, e.g. 8x23GiB, or 2x80GiB,2x40GiB")
+    parser.add_argument("--cpu-memory", metavar="SIZE",
+                        help="CPU memory available for offload (default: what this machine has free)")
+    parser.add_argument("--max-memory", metavar="CAPS",
+                        help="per-device max_memory as the user would pass it, e.g. 0=10GiB,3=20GiB,cpu=100GiB")
+    parser.add_argument("--quantization", choices=("4bit", "8bit", "none"),
+                        help="bitsandbytes quantization (default: the config's own bitsandbytes settings, else none)")
+    parser.add_argument("--dtype", default="bfloat16", help="dtype of the unquantized weights (default bfloat16)")
+    parser.add_argument("--device-map", default="auto", choices=("auto", "balanced", "balanced_low_0", "sequential"),
+                        help="the device_map strategy passed to from_pretrained (default auto)")
+    parser.add_argument("--without-shims", action="store_true", help="show the library's own map, unrepaired")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except PlanError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+
+
+def read_config_dict(path_text: str) -> Tuple[Dict[str, Any], Path]:
+    path = Path(path_text)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PlanError(f"no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanError(f"cannot read {path}: {exc.__class__.__name__}: {_one_line(exc)}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"{path} does not hold a JSON object")
+    if not isinstance(data.get("model_type"), str):
+        raise PlanError(f"{path} has no \"model_type\"; it does not look like a transformers model config")
+    return data, path
+
+
+def parse_caps(text: Optional[str]) -> Dict[Any, int]:
+    caps: Dict[Any, int] = {}
+    if not text:
+        return caps
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise TopologyError(f"cannot read max_memory entry {part!r} (write e.g. 0=10GiB or cpu=100GiB)")
+        if key.isdigit():
+            caps[int(key)] = parse_size(value)
+        elif key in ("cpu", "disk"):
+            caps[key] = parse_size(value)
+        else:
+            raise TopologyError(f"unknown device {key!r} in --max-memory (use GPU numbers, cpu or disk)")
+    return caps
+
+
+def _default_cpu_memory() -> Optional[int]:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # pragma: no cover - psutil comes with accelerate
+        return None
+
+
+def build_max_memory(gpus: List[int], cpu: Optional[int], caps: Dict[Any, int]) -> Dict[Any, int]:
+    for key in caps:
+        if isinstance(key, int) and key >= len(gpus):
+            raise TopologyError(f"--max-memory names GPU {key}, but the topology has {len(gpus)} GPU(s)")
+    mm: Dict[Any, int] = {i: min(size, caps.get(i, size)) for i, size in enumerate(gpus)}
+    cpu_budget = caps.get("cpu", cpu)
+    if cpu_budget is not None:
+        mm["cpu"] = cpu_budget
+    if "disk" in caps:
+        mm["disk"] = caps["disk"]
+    return mm
+
+
+def _quantization(args: argparse.Namespace, data: Dict[str, Any]) -> str:
+    qc = data.pop("quantization_config", None)
+    if args.quantization:
+        return args.quantization
+    if not qc:
+        return "none"
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method == "bitsandbytes":
+        if qc.get("load_in_4bit"):
+            return "4bit"
+        if qc.get("load_in_8bit"):
+            return "8bit"
+    raise PlanError(
+        f"the config is quantized with {method or 'an unknown method'}, which plan does not model; "
+        "pass --quantization none, 4bit or 8bit to choose"
+    )
+
+
+# -- the run ------------------------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        gpus = parse_gpus(args.gpus)
+        cpu = parse_size(args.cpu_memory) if args.cpu_memory else _default_cpu_memory()
+        caps = parse_caps(args.max_memory)
+        max_memory = build_max_memory(gpus, cpu, caps)
+    except TopologyError as exc:
+        raise PlanError(str(exc)) from None
+    data, path = read_config_dict(args.config)
+    quantization = _quantization(args, data)
+
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise PlanError(f"plan needs torch and transformers installed ({exc})") from None
+    from devmap_shims.planning import stack
+
+    config = _build_config(data, path)
+    try:
+        meta = stack.build_meta_model(config, args.dtype, quantization)
+    except stack.PlanInputError as exc:
+        raise PlanError(str(exc)) from None
+    except ImportError as exc:
+        raise PlanError(f"{quantization} quantization needs bitsandbytes installed ({_one_line(exc)})") from None
+    except Exception as exc:
+        raise PlanError(f"cannot build {data['model_type']} from {path}: {type(exc).__name__}: {_one_line(exc)}") from None
+
+    armed = shim_armed() and not args.without_shims
+    library_map = stack.device_map_step(meta, args.device_map, max_memory, shim=False)
+    final_map = stack.device_map_step(meta, args.device_map, max_memory, shim=True) if armed else library_map
+    layout, budgets = stack.layout_and_budgets(meta, args.device_map, max_memory)
+    report = _report(args, meta, layout, budgets, library_map, final_map, armed, gpus, max_memory, path)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, default=str)
+        print()
+    else:
+        print(_human(report))
+    return EXIT_OK if report["verdict"] == "ok" else EXIT_DEGENERATE
+
+
+def _build_config(data: Dict[str, Any], path: Path) -> Any:
+    from transformers import AutoConfig
+
+    fields = dict(data)
+    model_type = fields.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except ValueError as exc:
+        raise PlanError(f"{path}: {_one_line(exc)}") from None
+    except Exception as exc:
+        raise PlanError(f"{path}: cannot build a {model_type} config: {type(exc).__name__}: {_one_line(exc)}") from None
+
+
+def shim_armed() -> bool:
+    """Would ``devmap_shims.install()`` arm the device-map shim on the installed versions?"""
+    from devmap_shims.compat_matrix import load_matrix
+    from devmap_shims.hooks.device_map import SHIM_ID
+
+    from devmap_shims.versions import installed_versions
+
+    versions = installed_versions()
+    return any(row.applies(versions) for row in load_matrix().for_shim(SHIM_ID))
+
+
+def _versions() -> Dict[str, Optional[str]]:
+    from devmap_shims.versions import installed_versions
+
+    return installed_versions(("torch", "transformers", "accelerate", "bitsandbytes"))
+
+
+def _report(args, meta, layout, budgets, library_map, final_map, armed, gpus, max_memory, path) -> Dict[str, Any]:
+    from devmap_shims.hooks.device_map import SHIM_ID
+    from devmap_shims.planning import assess
+
+    low_zero = args.device_map == "balanced_low_0"
+
+    def judge(device_map):
+        units = layout.unit_devices(device_map)
+        return assess(layout, units, budgets, low_zero) if units is not None else None
+
+    final, library = judge(final_map), judge(library_map)
+    applied = [SHIM_ID] if armed and final_map != library_map else []
+    report: Dict[str, Any] = {
+        "config": str(path),
+        "model_type": getattr(meta.model.config, "model_type", None),
+        "strategy": args.device_map,
+        "quantization": meta.quantization,
+        "dtype": str(meta.dtype).replace("torch.", ""),
+        "gpus": {str(i): size for i, size in enumerate(gpus)},
+        "max_memory": {str(k): v for k, v in max_memory.items()},
+        "device_map": {k: v for k, v in final_map.items()},
+        "bytes_per_device": _bytes(final),
+        "verdict": final.verdict if final else "unknown",
+        "problems": final.problems if final else [],
+        "lower_bound": final.lower_bound if final else None,
+        "balance_ratio": round(final.ratio, 4) if final else None,
+        "model_bytes": layout.total,
+        "shims_armed": [SHIM_ID] if armed else [],
+        "shims_applied": applied,
+        "versions": _versions(),
+        "modules_per_device": _modules_per_device(final_map),
+    }
+    if applied and library is not None:
+        report["without_shims"] = {
+            "device_map": dict(library_map),
+            "bytes_per_device": _bytes(library),
+            "verdict": library.verdict,
+            "problems": library.problems,
+            "balance_ratio": round(library.ratio, 4),
+        }
+    if meta.quantization != "none" and final and final.offloaded:
+        report["problems"] = list(report["problems"]) + [
+            "bitsandbytes refuses CPU/disk offload unless llm_int8_enable_fp32_cpu_offload=True is set"
+        ]
+    return report
+
+
+def _bytes(assessment: Any) -> Dict[str, int]:
+    if assessment is None:
+        return {}
+    return {str(k): int(v) for k, v in assessment.bytes_per_device.items()}
+
+
+_INDEXED = re.compile(r"^(.*\.)(\d+)$")
+
+
+def _modules_per_device(device_map: Dict[str, Any]) -> Dict[str, List[str]]:
+    """Map entries per device with runs of numbered siblings folded: model.layers.0-6."""
+    out: Dict[str, List[str]] = {}
+    runs: Dict[str, List[Tuple[str, int, int]]] = {}
+    for name, device in device_map.items():
+        key = str(device)
+        items = runs.setdefault(key, [])
+        match = _INDEXED.match(name)
+        if match and items and items[-1][0] == match.group(1) and items[-1][2] == int(match.group(2)) - 1:
+            prefix, start, _ = items[-1]
+            items[-1] = (prefix, start, int(match.group(2)))
+        elif match:
+            items.append((match.group(1), int(match.group(2)), int(match.group(2))))
+        else:
+            items.append((name or "(whole model)", -1, -1))
+    for key, items in runs.items():
+        out[key] = [
+            p if s < 0 else (f"{p}{s}" if s == e else f"{p}{s}-{e}") for p, s, e in items
+        ]
+    return out
+
+
+def _device_order(key: str) -> Tuple[int, Any]:
+    return (0, int(key)) if key.isdigit() else (1, {"cpu": 0, "disk": 1}.get(key, 2))
+
+
+def _human(report: Dict[str, Any]) -> str:
+    lines = [
+        f"model: {report['model_type']} from {report['config']} ({format_bytes(report['model_bytes'])} to place, "
+        f"{report['quantization']}, {report['dtype']})",
+        f"device_map={report['strategy']!r} on {len(report['gpus'])} GPU(s); "
+        + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
+    ]
+    rows = [("device", "bytes", "share", "modules")]
+    budgets = report["max_memory"]
+    devices = sorted(set(report["bytes_per_device"]) | set(report["gpus"]), key=_device_order)
+    for dev in devices:
+        used = report["bytes_per_device"].get(dev, 0)
+        capacity = report["gpus"].get(dev) or budgets.get(dev)
+        share = f"{100 * used / capacity:.1f}%" if capacity else "-"
+        label = f"GPU {dev}" if dev.isdigit() else dev
+        modules = ", ".join(report["modules_per_device"].get(dev, [])) or "-"
+        rows.append((label, format_bytes(used), share, modules))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
+    ratio = report.get("balance_ratio")
+    verdict = f"verdict: {report['verdict']}"
+    if ratio is not None:
+        verdict += f" (busiest GPU {ratio:.2f}x the lower bound {format_bytes(report['lower_bound'])})"
+    lines.append(verdict)
+    for problem in report["problems"]:
+        lines.append(f"  - {problem}")
+    before = report.get("without_shims")
+    if before:
+        lines.append(
+            f"without devmap-shims: {before['verdict']} ({before['balance_ratio']:.2f}x); "
+            f"repaired by {', '.join(report['shims_applied'])}"
+        )
+    elif report["shims_armed"]:
+        lines.append("devmap-shims leaves this map unchanged")
+    else:
+        lines.append("devmap-shims: device-map shim not armed (--without-shims, or the bug does not apply here)")
+    return "\n".join(lines)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Standalone entry point (the CLI registers :func:`add_arguments` / :func:`run` itself)."""
+    parser = argparse.ArgumentParser(prog=PROG)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -23,16 +23,18 @@ Repairs:
 
 from __future__ import annotations
 
-import logging
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing and logging would cost install() its start-up budget
+    from typing import Any, Callable, Dict, Optional, Tuple
 
+from devmap_shims.hooks._lazy import LazyLogger
 from devmap_shims.shims import Shim, Target
 
 BUG_ID = "diffusers-quantized-load-on-current-device"
 SHIM_ID = "pipeline-to-sweep"
 
-logger = logging.getLogger("devmap_shims.hooks.pipeline_to")
+logger = LazyLogger("devmap_shims.hooks.pipeline_to")
 
 _HERE = "devmap_shims.hooks.pipeline_to"
 

@@ -26,7 +26,9 @@ the whole quant state on the GPU; use ``module.to("cpu")`` (or run
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, Tuple
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing and logging would cost install() its start-up budget
+    from typing import Any, Callable, Dict, Iterator, Tuple
 
 from devmap_shims.shims import Shim, Target
 

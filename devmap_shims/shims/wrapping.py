@@ -39,9 +39,13 @@ def devmap_wrapper_type() -> type:
             """A devmap_shims layer. Recognised by ``type(x) is DevmapFunctionWrapper``."""
 
             def __reduce_ex__(self, protocol: int) -> Any:
-                # Pickle by reference to the wrapped callable: a pickled function or method must
-                # load in a process where devmap_shims is not installed.
-                return self.__wrapped__.__reduce_ex__(protocol)
+                # Pickle by reference, as the original function would be: the module attribute
+                # (this layer here, the plain original in a process without devmap_shims).
+                wrapped = self.__wrapped__
+                name = getattr(wrapped, "__qualname__", None)
+                if name and callable(wrapped):
+                    return name
+                return wrapped.__reduce_ex__(protocol)
 
         _wrapper_type = DevmapFunctionWrapper
     return _wrapper_type

@@ -1,0 +1,100 @@
+"""Junk from the environment, plugins and rows: one clear message naming the culprit, and the program goes on."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import devmap_shims
+from devmap_shims import Shim, Target
+from devmap_shims.shims import catalog, config
+from devmap_shims.shims.registry import REGISTRY
+
+from .conftest import add_one, fake_row
+
+
+@pytest.mark.parametrize(
+    "variable, value, expected",
+    [
+        ("DEVMAP_SHIMS", "maybe", "DEVMAP_SHIMS='maybe' is not understood; use 1 or 0"),
+        ("DEVMAP_SHIMS_STRICT", "2", "DEVMAP_SHIMS_STRICT='2' is not understood; use 1 or 0"),
+        ("DEVMAP_SHIMS_NO_PLUGINS", "please", "DEVMAP_SHIMS_NO_PLUGINS='please' is not understood"),
+        ("DEVMAP_SHIMS_LOG", "verbose", "DEVMAP_SHIMS_LOG='verbose' is not a log level; use one of debug, info, warning"),
+    ],
+)
+def test_junk_flag_values_are_named_once(variable, value, expected, monkeypatch, caplog):
+    monkeypatch.setenv(variable, value)
+    with caplog.at_level(logging.WARNING, logger="devmap_shims"):
+        assert devmap_shims.install() is True
+        devmap_shims.install()
+    assert caplog.text.count(expected) == 1, caplog.text
+
+
+@pytest.mark.parametrize("variable", ["DEVMAP_SHIMS_DISABLE", "DEVMAP_SHIMS_FORCE"])
+def test_unknown_ids_in_variables_list_the_known_ones(variable, monkeypatch):
+    settings = config.read_settings({variable: "device-map-balance, no-such-shim ,"})
+    problems = config.unknown_id_problems(settings, ["device-map-balance", "quant-state-follows-weight"])
+    assert problems == [
+        f"{variable} names unknown shim 'no-such-shim'; known shims: device-map-balance, "
+        "quant-state-follows-weight. Ignoring it."
+    ]
+
+
+def test_malformed_plugin_row_is_dropped_with_its_name_and_field(fake_stack, caplog):
+    bad = fake_row("bad-row", spec="not a specifier", shim="fake-fix")
+    good = fake_row("fake-bug")
+    devmap_shims.register(Shim("fake-fix", ("fake-bug",), (Target("fakelib.core", "compute"),), add_one), [bad, good])
+    with caplog.at_level(logging.WARNING, logger="devmap_shims"):
+        devmap_shims.install(only=["fake-fix"])
+        import fakelib.core
+
+        assert fakelib.core.compute(3) == 7  # the good row still arms the shim
+    assert "bad-row" in caplog.text and "'affected'" in caplog.text and "the row is ignored" in caplog.text
+    assert "device-map-balance" in {s["id"] for s in devmap_shims.status()["shims"]}  # built-ins unaffected
+
+
+class _EntryPoint:
+    def __init__(self, name, obj, dist="acme-plugin"):
+        self.name, self.value, self._obj = name, f"acme:{name}", obj
+        self.dist = type("Dist", (), {"name": dist})()
+
+    def load(self):
+        if isinstance(self._obj, Exception):
+            raise self._obj
+        return self._obj
+
+
+def test_plugin_colliding_with_a_builtin_id_is_renamed_and_said(monkeypatch):
+    shim = Shim("device-map-balance", ("x",), (Target("acme.core", "f"),), add_one)
+    monkeypatch.setattr(catalog, "_entry_points", lambda group: [_EntryPoint("acme", [shim, shim])])
+    shims, problems = catalog.plugin_shims(["device-map-balance"], [])
+    assert [s.id for s in shims] == ["acme-plugin:device-map-balance"]
+    assert any("is the id of a built-in shim; it is registered as 'acme-plugin:device-map-balance'" in p for p in problems)
+    assert any("declared twice" in p for p in problems)
+
+
+def test_plugin_that_raises_on_import_is_skipped(monkeypatch):
+    monkeypatch.setattr(catalog, "_entry_points", lambda group: [_EntryPoint("boom", ImportError("No module named 'acme_missing'"))])
+    shims, problems = catalog.plugin_shims([], [])
+    assert shims == []
+    assert problems == [
+        "plugin acme-plugin: shim entry point 'boom' (acme:boom) failed to load (ImportError: No module named "
+        "'acme_missing'); it is skipped"
+    ]
+
+
+def test_plugin_entry_point_that_is_not_a_shim(monkeypatch):
+    monkeypatch.setattr(catalog, "_entry_points", lambda group: [_EntryPoint("odd", [42])])
+    shims, problems = catalog.plugin_shims([], [])
+    assert shims == [] and "gave 42, not a devmap_shims Shim" in problems[0]
+
+
+def test_register_rejects_non_shims_and_duplicates():
+    with pytest.raises(TypeError, match="takes a devmap_shims.Shim"):
+        devmap_shims.register("device-map-balance")
+    shim = Shim("mine", ("x",), (Target("a.b", "c"),), add_one)
+    devmap_shims.register(shim)
+    with pytest.raises(ValueError, match="already registered"):
+        devmap_shims.register(shim)
+    assert REGISTRY.warnings == []

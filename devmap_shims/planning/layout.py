@@ -83,10 +83,12 @@ class Layout:
                 if not name:
                     return None
                 name = name.rpartition(".")[0]
-        prefixes = {u.name + "." for u in self.units if u.name}
         for key in device_map:
-            if key and any(key.startswith(p) for p in prefixes if len(key) > len(p)):
-                return None
+            probe = key.rpartition(".")[0] if key else ""
+            while probe:
+                if probe in self._index:
+                    return None  # the map places part of a unit on its own
+                probe = probe.rpartition(".")[0]
         return out
 
     def bytes_per_device(self, unit_devices: Mapping[str, Any]) -> Dict[Any, int]:

@@ -14,8 +14,9 @@ What "the device a tensor should be on" means:
   ``state2.*``) and any tensor attached to a parameter (``Int8Params.SCB``): the device of that
   parameter (skipped while the parameter is on ``meta``);
 * a parameter or buffer: the execution device of the nearest accelerate hook (``device_map``
-  dispatch) or, failing that, the module's entry in ``hf_device_map``, or, for a model that runs on
-  one device, the device holding most of the model's elements. Modules whose weights accelerate
+  dispatch) or, failing that, the module's entry in a split ``hf_device_map``, or, for a model that
+  runs on one device, the device holding most of the model's elements (a one-device
+  ``hf_device_map`` is not used: ``.to()`` moves a model without updating it). Modules whose weights accelerate
   offloads (``offload=True`` hooks) are not checked: their weights live elsewhere by design.
 """
 
@@ -113,7 +114,9 @@ def _hook_placement(module: Any, torch: Any) -> Tuple[Optional[Any], bool]:
 
 
 def _map_device(device_map: Any, name: str, torch: Any) -> Optional[Any]:
-    if not isinstance(device_map, dict) or not device_map:
+    # A one-device map says where the model was loaded, not where it runs: ``.to()`` moves the model
+    # without updating ``hf_device_map``. Only a split map (which ``.to()`` refuses) is trusted.
+    if not isinstance(device_map, dict) or len({str(d) for d in device_map.values()}) < 2:
         return None
     best = None
     best_len = -1

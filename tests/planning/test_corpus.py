@@ -108,7 +108,8 @@ def test_gemma_2_27b_4bit_on_8x23gib_reproduces_the_bug_without_the_shim():
     if transformers_major() < 5:
         assert set(without.values()) == {7} and len(without) == 1, without
     else:
-        assert before.gpus_used == [0, 1, 2, 3], before.gpus_used
+        # 5.17: {'': 7}; 5.23 (largest-leaf buffer): GPUs 0-3 only
+        assert len(before.gpus_used) <= 4, before.gpus_used
         assert before.ratio > 1.5
     assert before.violations or before.ratio > TOLERANCE
     assert after.gpus_used == list(range(8))

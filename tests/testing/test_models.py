@@ -28,6 +28,16 @@ from devmap_shims.testing.models import (  # noqa: E402
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny ops gain nothing from intra-op threads, and on a busy 2-core CI box OpenMP's
+    spin-waiting makes them 10-30x slower: run this module single-threaded."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _arch_param(arch: str):
     reason = unsupported_archs().get(arch)
     return pytest.param(arch, id=arch, marks=pytest.mark.skipif(reason is not None, reason=reason or ""))

@@ -39,8 +39,10 @@ What is not simulated
     * Numerics of GPU kernels: ops run with CPU kernels, so results equal the CPU results, not
       CUDA's (``torch.autocast("cuda")`` changes no dtype; TF32, flash attention and
       fused kernels are not used). Streams and events have no semantics (all work is synchronous).
+    * ``torch.compile``: inside a simulation it returns the function or module unchanged (runs
+      eagerly), because Dynamo cannot trace simulated tensors.
     * The allocator's cache (reserved == allocated), memory fractions, CUDA graphs, IPC, NCCL,
-      ``torch.compile`` of simulated tensors, and any library that calls the CUDA driver itself
+      and any library that calls the CUDA driver itself
       (custom CUDA extensions, bitsandbytes < 0.46 kernels, ``safetensors`` loading straight to
       a GPU in native code).
     * Threads: torch function modes are thread-local, so ops that other threads run are not
@@ -193,6 +195,14 @@ def _accelerator_modules() -> List[Any]:
     return mods
 
 
+def _compile_eagerly(model: Any = None, **kwargs: Any) -> Any:
+    """``torch.compile`` during a simulation: Dynamo cannot trace simulated tensors (its fake
+    tensors would open the real CUDA driver), so the function or module runs eagerly."""
+    if model is None:
+        return lambda fn: fn
+    return model
+
+
 def _int_device_needs_standin() -> bool:
     if FORCE_DEVICE_STANDIN:
         return True
@@ -244,6 +254,8 @@ def _install(patcher: _Patcher) -> None:
             if name in mod.__dict__:
                 patcher.set(mod, name, value)
     patcher.set(torch, "Generator", _sim_cuda.GeneratorStandIn)
+    # transformers 4.4x compiles the forward for static/hybrid caches when the model is on CUDA
+    patcher.set(torch, "compile", _compile_eagerly)
     if _int_device_needs_standin():
         patcher.set(torch, "device", _sim_cuda.DeviceStandIn)
 

@@ -287,6 +287,17 @@ def test_numpy_of_a_cuda_tensor_raises_like_cuda():
             torch.ones(2, device="cuda:0").numpy()
 
 
+def test_torch_compile_runs_eagerly():
+    def f(x):
+        return x * 2
+
+    with simulated_gpus(1):
+        assert torch.compile(f) is f
+        assert torch.compile(mode="reduce-overhead")(f) is f
+        lin = torch.nn.Linear(2, 2).to(0)
+        assert torch.compile(lin) is lin
+
+
 def test_worker_threads_run_in_the_simulation():
     with simulated_gpus(2):
         with ThreadPoolExecutor(2) as pool:

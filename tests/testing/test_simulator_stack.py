@@ -164,6 +164,26 @@ def _bnb_with_cpu_kernels():
     return bnb
 
 
+def test_prequantized_params4bit_moves_on_any_bitsandbytes():
+    """Old bitsandbytes has no CPU kernels: parameters built from pre-quantized data still move."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from bitsandbytes.functional import QuantState
+
+    packed = torch.randint(0, 255, (8 * 64 // 2, 1), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    state = QuantState(
+        absmax=torch.rand(8), shape=torch.Size([8, 64]), code=torch.linspace(-1, 1, 16), blocksize=64,
+        quant_type="nf4", dtype=torch.float16,
+    )
+    with simulated_gpus(2):
+        p = bnb.nn.Params4bit(
+            data=packed, requires_grad=False, quant_state=state, blocksize=64, quant_type="nf4", bnb_quantized=True
+        )
+        moved = p.to("cuda:1")
+        assert isinstance(moved, bnb.nn.Params4bit) and moved.device == torch.device("cuda:1")
+        assert moved.quant_state.absmax.device == torch.device("cuda:1")
+        assert torch.equal(real_cpu_tensor(moved), packed)
+
+
 def test_params4bit_moves_to_a_simulated_gpu_intact():
     bnb = _bnb_with_cpu_kernels()
     torch.manual_seed(0)

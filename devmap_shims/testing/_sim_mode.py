@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 import torch.nn.functional as F
+import torch.utils._device as _device_module
 from torch.overrides import TorchFunctionMode
 
 from . import _sim_state as S
@@ -122,6 +123,14 @@ def tag(t: torch.Tensor, idx: int, skip: Optional[set] = None) -> None:
         return
     S.MACHINE._charge(t.untyped_storage(), sid, idx)
     S.DEVICE_OF[sid] = idx
+
+
+def tag_storage(storage: Any, idx: int) -> None:
+    """Record that ``storage`` (an untyped CPU storage) lives on simulated ``cuda:idx``."""
+    sid = storage._cdata
+    if sid not in S.DEVICE_OF:
+        S.MACHINE._charge(storage, sid, idx)
+        S.DEVICE_OF[sid] = idx
 
 
 def tag_all(out: Any, idx: int, skip: Optional[set] = None) -> None:
@@ -380,14 +389,17 @@ def _autograd_error(func: Any, idx: int) -> SimulatedAutogradError:
     )
 
 
+def _records_history(t: Any) -> bool:
+    # leaves (parameters initialised in place, detached copies) are fine; results with a grad_fn are not
+    return isinstance(t, _Tensor) and t.requires_grad and t.grad_fn is not None
+
+
 def _check_grad(func: Any, out: Any, idx: int) -> None:
-    if isinstance(out, _Tensor):
-        if out.requires_grad:
+    if isinstance(out, (tuple, list)):
+        if any(_records_history(o) for o in out):
             raise _autograd_error(func, idx)
-    elif isinstance(out, (tuple, list)):
-        for o in out:
-            if isinstance(o, _Tensor) and o.requires_grad:
-                raise _autograd_error(func, idx)
+    elif _records_history(out):
+        raise _autograd_error(func, idx)
 
 
 def _strip_pin(kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
@@ -483,6 +495,11 @@ def _retarget(out: Any, inputs: List[torch.Tensor], target: int) -> Any:
 
 
 def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+    default = _device_module.CURRENT_DEVICE
+    if default is not None and kwargs.get("device") is None and func in _device_module._device_constructors():
+        # torch.set_default_device / `with torch.device(...)`: its mode may sit below this one
+        kwargs = dict(kwargs)
+        kwargs["device"] = default
     if kwargs:
         dev = kwargs.get("device", None)
         if dev is not None:
@@ -530,7 +547,7 @@ def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         kwargs["generator"] = default_generator(common)
     out = func(*args, **kwargs)
     if isinstance(out, _Tensor):
-        if out.requires_grad and torch.is_grad_enabled() and func not in _NO_GRAD_CHECK:
+        if out.requires_grad and out.grad_fn is not None and torch.is_grad_enabled() and func not in _NO_GRAD_CHECK:
             raise _autograd_error(func, common)
         try:
             sid = _storage_id(out)

@@ -47,7 +47,9 @@ What is not simulated
       a GPU in native code).
     * Threads: torch function modes are thread-local, so ops that other threads run are not
       intercepted (tensors they create are plain CPU tensors).
-    * ``torch.save`` writes simulated tensors as CPU tensors.
+    * ``torch.save`` writes simulated tensors as CPU tensors (``torch.load`` with a
+      ``map_location`` naming a simulated GPU, or of a checkpoint saved on real CUDA, does load
+      onto the simulated GPUs; a callable ``map_location`` is used as given).
 
 Tensors created inside a simulation remain valid CPU tensors after it ends and then report
 ``cpu``. Only one simulation can be active at a time.
@@ -64,7 +66,7 @@ import torch
 
 from . import _sim_cuda, _sim_state as S
 from ._sim_machine import MemorySpec, SimulatedDeviceProperties, SimulatedMachine, format_size, parse_memory
-from ._sim_mode import SimulatedAutogradError, SimulationMode
+from ._sim_mode import SimulatedAutogradError, SimulationMode, parse_device, tag_storage
 
 __all__ = [
     "SimulatedAutogradError",
@@ -195,6 +197,30 @@ def _accelerator_modules() -> List[Any]:
     return mods
 
 
+_real_load = torch.load
+
+
+def _load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """``torch.load`` during a simulation: storages bound for ``cuda:N`` stay on the CPU and are
+    recorded as living on simulated GPU N (the real loader would call the CUDA driver)."""
+    if callable(map_location) and not isinstance(map_location, (str, torch.device)):
+        return _real_load(f, map_location, *args, **kwargs)
+
+    def restore(storage: Any, location: str) -> Any:
+        loc: Any = location
+        if isinstance(map_location, dict):
+            loc = map_location.get(location, location)
+        elif map_location is not None:
+            loc = map_location
+        target = parse_device(loc)
+        if isinstance(target, int):
+            tag_storage(storage, target)
+            return storage
+        return torch.serialization.default_restore_location(storage, str(target))
+
+    return _real_load(f, restore, *args, **kwargs)
+
+
 def _compile_eagerly(model: Any = None, **kwargs: Any) -> Any:
     """``torch.compile`` during a simulation: Dynamo cannot trace simulated tensors (its fake
     tensors would open the real CUDA driver), so the function or module runs eagerly."""
@@ -256,6 +282,9 @@ def _install(patcher: _Patcher) -> None:
     patcher.set(torch, "Generator", _sim_cuda.GeneratorStandIn)
     # transformers 4.4x compiles the forward for static/hybrid caches when the model is on CUDA
     patcher.set(torch, "compile", _compile_eagerly)
+    for owner in (torch, torch.serialization):
+        if owner.__dict__.get("load") is _real_load:
+            patcher.set(owner, "load", _load)
     if _int_device_needs_standin():
         patcher.set(torch, "device", _sim_cuda.DeviceStandIn)
 

@@ -287,6 +287,38 @@ def test_numpy_of_a_cuda_tensor_raises_like_cuda():
             torch.ones(2, device="cuda:0").numpy()
 
 
+def test_default_device_and_device_context():
+    with simulated_gpus(2):
+        with torch.device("cuda:1"):
+            assert torch.ones(2).device.index == 1
+            assert torch.nn.Linear(2, 2).weight.device.index == 1  # in-place init of a fresh parameter
+        torch.set_default_device("cuda:1")
+        try:
+            assert torch.zeros(1).device.index == 1
+        finally:
+            torch.set_default_device(None)
+        assert torch.zeros(1).device.type == "cpu"
+        with torch.device("meta"):
+            assert torch.ones(1).is_meta
+
+
+def test_torch_load_onto_simulated_gpus(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    torch.save({"w": torch.arange(4.0)}, path)
+    with simulated_gpus(2) as m:
+        w = torch.load(path, map_location="cuda:1")["w"]
+        assert w.device.index == 1 and m.allocated(1) == 512
+        assert torch.load(path, map_location={"cpu": "cuda:0"})["w"].device.index == 0
+        assert torch.load(path)["w"].device.type == "cpu"
+        assert torch.equal(real_cpu_tensor(w), torch.arange(4.0))
+
+
+def test_autocast_on_cuda_is_accepted():
+    with simulated_gpus(1), torch.autocast("cuda", dtype=torch.float16):
+        x = torch.ones(2, 2, device="cuda:0")
+        assert (x @ x).device.index == 0  # CPU kernels: the dtype stays float32 (documented)
+
+
 def test_torch_compile_runs_eagerly():
     def f(x):
         return x * 2
@@ -493,6 +525,7 @@ def test_autograd_is_refused_with_a_clear_message():
 # ------------------------------------------------------------------------------------------------
 def _owners():
     owners = [torch, torch.Tensor, torch.cuda, torch.cuda.memory, torch.cuda.random, torch.cuda.streams]
+    owners.append(torch.serialization)
     if hasattr(torch, "accelerator"):
         owners.append(torch.accelerator)
         if hasattr(torch.accelerator, "memory"):

@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    # packaging does not depend on the target libraries: build the virtualenvs once per CI run
+    pytest.mark.skipif(
+        os.environ.get("DEVMAP_STACK") not in (None, "engine"), reason="packaging tests run in the engine session"
+    ),
+]
 
 
 def sh(*cmd, env=None, check=True, cwd=None) -> subprocess.CompletedProcess:

@@ -49,6 +49,7 @@ __all__ = [
     "tiny_causal_lm",
     "tiny_config",
     "tiny_flux_pipeline",
+    "tiny_flux_transformer",
     "unsupported_archs",
 ]
 
@@ -408,6 +409,25 @@ def _flux_scheduler() -> Any:
     )
 
 
+def _flux_seed(seed: int, component: str) -> int:
+    """Weight seed of one pipeline component (each component has its own stream)."""
+    return seed * 1000 + _FLUX_COMPONENTS.index(component)
+
+
+_FLUX_COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
+
+
+def tiny_flux_transformer(
+    seed: int = 0, dtype: torch.dtype = torch.float32, *, guidance_embeds: bool = True
+) -> Any:
+    """The ``FluxTransformer2DModel`` of :func:`tiny_flux_pipeline` with the same ``seed`` (same weights)."""
+    component_seed = _flux_seed(seed, "transformer")
+    with _seeded(component_seed):
+        module = _tiny_flux_transformer(guidance_embeds)
+    _reinit_weights(module, component_seed, embedding_std=1.0)
+    return module.to(dtype).eval()
+
+
 def tiny_flux_pipeline(
     seed: int = 0, dtype: torch.dtype = torch.float32, *, guidance_embeds: bool = True
 ) -> Any:
@@ -423,17 +443,19 @@ def tiny_flux_pipeline(
     from ._tokenizers import tiny_clip_tokenizer, tiny_t5_tokenizer
 
     tokenizer, tokenizer_2 = tiny_clip_tokenizer(), tiny_t5_tokenizer()
-    parts: dict[str, torch.nn.Module] = {}
+    parts: dict[str, torch.nn.Module] = {
+        "transformer": tiny_flux_transformer(seed, dtype, guidance_embeds=guidance_embeds)
+    }
     builders = {
-        "transformer": lambda: _tiny_flux_transformer(guidance_embeds),
         "vae": _tiny_vae,
         "text_encoder": lambda: _tiny_clip_text_encoder(tokenizer),
         "text_encoder_2": lambda: _tiny_t5_encoder(tokenizer_2),
     }
-    for offset, (name, build) in enumerate(builders.items()):
-        with _seeded(seed * 1000 + offset):
+    for name, build in builders.items():
+        component_seed = _flux_seed(seed, name)
+        with _seeded(component_seed):
             module = build()
-        _reinit_weights(module, seed * 1000 + offset, embedding_std=1.0)
+        _reinit_weights(module, component_seed, embedding_std=1.0)
         parts[name] = module.to(dtype).eval()
     return FluxPipeline(
         scheduler=_flux_scheduler(), tokenizer=tokenizer, tokenizer_2=tokenizer_2, **parts

@@ -24,6 +24,7 @@ from devmap_shims.testing.models import (  # noqa: E402
     tiny_causal_lm,
     tiny_config,
     tiny_flux_pipeline,
+    tiny_flux_transformer,
     unsupported_archs,
 )
 
@@ -180,6 +181,11 @@ def test_flux_components_are_tiny_and_wired(flux_pipe):
     assert p.text_encoder.config.vocab_size == len(p.tokenizer)
     for name in ("transformer", "vae", "text_encoder", "text_encoder_2"):
         assert sum(x.numel() for x in getattr(p, name).parameters()) < 200_000, name
+
+
+def test_flux_transformer_alone_has_the_pipeline_weights(flux_pipe):
+    assert _state_equal(tiny_flux_transformer(), flux_pipe.transformer)
+    assert not _state_equal(tiny_flux_transformer(seed=1), flux_pipe.transformer)
 
 
 def test_flux_tokenizers_are_local_and_round_trip(flux_pipe):

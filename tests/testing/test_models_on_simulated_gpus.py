@@ -246,3 +246,47 @@ def test_flux_latents_on_cuda1_match_cpu_under_the_pytest_marker(flux_cpu, simul
     assert latents.device == torch.device("cuda", 1)
     assert simulated_gpus.max_allocated(0) == 0
     torch.testing.assert_close(latents.cpu(), expected, rtol=0, atol=1e-5)
+
+
+def _bnb_has_cpu_kernels() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        return Version(version("bitsandbytes")).release >= (0, 46)
+    except PackageNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(
+    not _bnb_has_cpu_kernels(),
+    reason="4-bit quantization on simulated GPUs needs bitsandbytes >= 0.46 (CPU kernels); "
+    "older releases quantize only through their CUDA library",
+)
+def test_flux_transformer_reloads_in_4bit_and_runs_on_either_gpu(tmp_path):
+    pytest.importorskip("diffusers")
+    from diffusers import BitsAndBytesConfig, FluxPipeline, FluxTransformer2DModel
+
+    from devmap_shims.testing.models import save_tiny_flux_pipeline
+
+    path = save_tiny_flux_pipeline(tmp_path / "flux")
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    with simulated_gpus(2, memory=MEMORY):
+        transformer = FluxTransformer2DModel.from_pretrained(
+            path, subfolder="transformer", quantization_config=quant, torch_dtype=torch.float32,
+            local_files_only=True,
+        )
+        to_q = transformer.transformer_blocks[0].attn.to_q
+        assert type(to_q).__name__ == "Linear4bit" and to_q.weight.device == torch.device("cuda", 0)
+        pipe = FluxPipeline.from_pretrained(path, transformer=transformer, local_files_only=True).to("cuda:0")
+        pipe.set_progress_bar_config(disable=True)
+        on_0 = _flux_run(pipe).cpu()
+        pipe.to("cuda:1")
+        state = to_q.weight.quant_state
+        assert {to_q.weight.device, state.absmax.device, state.code.device} == {torch.device("cuda", 1)}
+        on_1 = _flux_run(pipe)
+        assert on_1.device == torch.device("cuda", 1)
+        on_1 = on_1.cpu()
+    assert torch.isfinite(on_0).all() and float(on_0.std()) > 0.05
+    torch.testing.assert_close(on_1, on_0, rtol=0, atol=1e-5)

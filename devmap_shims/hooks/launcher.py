@@ -1,0 +1,195 @@
+"""Warn when every process of a multi-process launch shards its own model over the same GPUs.
+
+Bug ``device-map-auto-generate-hang-grpo`` (huggingface/accelerate#3434): ``generate`` hangs or
+returns nothing for a model loaded with ``device_map="auto"`` under GRPOTrainer / ``accelerate
+launch`` with ``num_processes: 3``. No root cause was established upstream and the hang has not
+been reproduced here. The likely cause is the configuration itself: the launcher starts one process
+per GPU (``WORLD_SIZE > 1``) and each process, seeing every GPU, shards a full model over all of
+them, so the ranks' models and collectives share devices (accelerate refuses to *train* such a model
+in any distributed mode, huggingface/transformers#31557).
+
+This shim does not fix a hang. It detects that configuration, right after
+``PreTrainedModel.from_pretrained`` returns and when ``generate`` starts (transformers'
+``GenerationMixin._prepare_generation_config``, which every ``generate`` calls first; hooking
+``generate`` itself is the generate-input-device shim's), and warns once per process with the cause
+and the two fixes: run one process, or load one full copy per process with
+``device_map={"": local_rank}``. With ``DEVMAP_SHIMS_STRICT=1`` (or ``install(strict=True)``) it
+raises instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+from devmap_shims.hooks._lazy import LazyLogger
+from devmap_shims.shims import Shim, Target
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing would cost install() its start-up budget
+    from typing import Any, Callable, Dict, List, Optional, Tuple
+
+SHIM_ID = "launcher-sharding-guard"
+BUG_ID = "device-map-auto-generate-hang-grpo"
+_HERE = "devmap_shims.hooks.launcher"
+
+logger = LazyLogger("devmap_shims.hooks.launcher")
+
+SHIMS = (
+    Shim(
+        id=SHIM_ID,
+        fixes=(BUG_ID,),
+        targets=(
+            Target(
+                "transformers.modeling_utils",
+                "PreTrainedModel.from_pretrained",
+                expect_params=("pretrained_model_name_or_path",),
+                wrapper=f"{_HERE}:check_after_from_pretrained",
+            ),
+            Target(
+                "transformers.generation.utils",
+                "GenerationMixin._prepare_generation_config",
+                wrapper=f"{_HERE}:check_before_generate",
+            ),
+        ),
+        summary="warn (strict: raise) when a multi-process launch shards each rank's model over the same GPUs",
+    ),
+)
+
+#: Set once the warning was given: the check then costs one attribute read per generate call.
+_state = {"warned": False}
+
+
+def _launch() -> Optional[Tuple[int, int, Optional[int]]]:
+    """``(rank, world size, local rank)`` of a multi-process launch, or None for a single process."""
+    raw = os.environ.get("WORLD_SIZE")
+    world = None
+    if raw:
+        try:
+            world = int(raw)
+        except ValueError:
+            world = None
+    if world is None:
+        dist = _initialized_distributed()
+        if dist is None:
+            return None
+        world = dist.get_world_size()
+        rank = dist.get_rank()
+    else:
+        rank = _int_env("RANK", 0)
+    if world <= 1:
+        return None
+    local = _int_env("LOCAL_RANK", None)
+    return int(rank), int(world), local
+
+
+def _int_env(name: str, default: Any) -> Any:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return default
+
+
+def _initialized_distributed() -> Any:
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    try:
+        return dist if dist.is_available() and dist.is_initialized() else None
+    except Exception:
+        return None
+
+
+def gpus_of(model: Any) -> List[str]:
+    """The GPUs ``model``'s ``hf_device_map`` spreads it over, as ``cuda:N`` (sorted)."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not isinstance(device_map, dict):
+        return []
+    gpus = set()
+    for device in device_map.values():
+        name = _gpu_name(device)
+        if name is not None:
+            gpus.add(name)
+    return sorted(gpus, key=lambda n: (len(n), n))
+
+
+def _gpu_name(device: Any) -> Optional[str]:
+    if isinstance(device, bool):
+        return None
+    if isinstance(device, int):
+        return f"cuda:{device}"
+    text = str(device)
+    if text.startswith(("cuda", "xpu", "npu", "mlu", "musa")):
+        return text if ":" in text else f"{text}:0"
+    return None
+
+
+def sharding_message(model: Any, where: str) -> Optional[str]:
+    """The warning for ``model`` in this process, or None when the configuration is fine."""
+    launch = _launch()
+    if launch is None:
+        return None
+    gpus = gpus_of(model)
+    if len(gpus) < 2:
+        return None
+    rank, world, local = launch
+    local_text = str(local) if local is not None else "local_rank"
+    return (
+        f"[{SHIM_ID}] {where}: rank {rank} of {world} processes holds a model sharded over "
+        f"{', '.join(gpus)} (device_map={_map_kind(model)}), and every other rank of this launch "
+        "(torchrun / accelerate launch / a distributed trainer) shards its own copy over the same GPUs. "
+        f"generate() in this configuration can hang or return nothing ({BUG_ID}, "
+        "huggingface/accelerate#3434). Fix: either run a single process (python script.py, no launcher) "
+        "so that one copy is sharded over all GPUs, or keep the launcher and load one full copy per "
+        f"process with device_map={{'': {local_text}}} (the LOCAL_RANK of each process). "
+        "Set DEVMAP_SHIMS_STRICT=1 to make this an error."
+    )
+
+
+def _map_kind(model: Any) -> str:
+    device_map = getattr(model, "hf_device_map", None) or {}
+    return f"{len(device_map)} entries" if len(device_map) > 1 else repr(device_map)
+
+
+def check(model: Any, where: str) -> None:
+    """Warn once per process (raise ``ShimError`` in strict mode) when ``model`` is sharded under a
+    multi-process launch."""
+    if _state["warned"]:
+        return
+    message = sharding_message(model, where)
+    if message is None:
+        return
+    from devmap_shims.shims.registry import REGISTRY, ShimError
+
+    _state["warned"] = True
+    if REGISTRY.strict:
+        raise ShimError(message)
+    REGISTRY.warn(message)
+
+
+def check_after_from_pretrained(
+    wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Any:
+    """Wrapper for ``PreTrainedModel.from_pretrained``: load, then look at the map it used."""
+    result = wrapped(*args, **kwargs)
+    if not _state["warned"]:
+        model = result[0] if isinstance(result, tuple) else result  # output_loading_info=True
+        if isinstance(getattr(model, "hf_device_map", None), dict):
+            check(model, f"{type(model).__name__}.from_pretrained")
+    return result
+
+
+def check_before_generate(
+    wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Any:
+    """Wrapper for ``GenerationMixin._prepare_generation_config`` (the start of every ``generate``)."""
+    if not _state["warned"] and instance is not None:
+        check(instance, f"{type(instance).__name__}.generate")
+    return wrapped(*args, **kwargs)
+
+
+def reset() -> None:
+    """Forget that the warning was given (tests)."""
+    _state["warned"] = False

@@ -1,0 +1,100 @@
+"""Scenario for Report 4 (QwenLM/Qwen3#327), replayed exactly as its user wrote it.
+
+A Qwen2 model (the report's "Qwen1.5") is built on the meta device, given balanced budgets and a
+device map by accelerate, and loaded with ``load_checkpoint_and_dispatch`` without ``skip_keys``;
+``generate`` then runs on two simulated GPUs. On transformers < 4.42 the second decoding step hands
+the model a legacy tuple cache, the root hook moves all of it to ``cuda:0`` and the layer on
+``cuda:1`` fails in ``torch.cat``. The tiny model keeps an untied output head, as Qwen1.5-7B does
+(a tied head is not in the checkpoint and cannot be loaded this way).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Dict
+
+from devmap_shims.scenarios import scenario
+
+_CACHE: Dict[str, Any] = {}
+NEW_TOKENS = 8
+GPU_MEMORY = "2GiB"  # transformers 5's allocator warm-up assumes at least 1.2 GiB per GPU
+
+
+def fp16_checkpoint() -> str:
+    """A tiny float16 Qwen2 checkpoint with an untied head, written once per process."""
+    path = _CACHE.get("qwen2-fp16")
+    if path is None or not os.path.isdir(path):
+        import torch
+
+        from devmap_shims.testing.models import save_tiny_causal_lm
+
+        folder = os.path.join(tempfile.mkdtemp(prefix="devmap-shims-dispatch-"), "qwen2")
+        path = str(save_tiny_causal_lm("qwen2", folder, tie_word_embeddings=False, dtype=torch.float16))
+        _CACHE["qwen2-fp16"] = path
+    return path
+
+
+def dtype_kwargs() -> Dict[str, Any]:
+    """``torch_dtype=float16`` as in the report; transformers 5 renamed it ``dtype``."""
+    import torch
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    return {"dtype": torch.float16} if major >= 5 else {"torch_dtype": torch.float16}
+
+
+def cpu_reference(path: str) -> Any:
+    key = f"ref:{path}"
+    if key not in _CACHE:
+        from transformers import AutoModelForCausalLM
+
+        from devmap_shims.testing.models import greedy_generate, sample_input_ids
+
+        model = AutoModelForCausalLM.from_pretrained(path, **dtype_kwargs())
+        _CACHE[key] = greedy_generate(model, sample_input_ids(), max_new_tokens=NEW_TOKENS)
+    return _CACHE[key]
+
+
+@scenario(
+    "dispatch-without-skip-keys-moves-kv-cache",
+    "Qwen2 loaded with init_empty_weights + get_balanced_memory + infer_auto_device_map + "
+    "load_checkpoint_and_dispatch over two GPUs (QwenLM/Qwen3#327), then generate",
+    needs=("torch", "transformers", "accelerate"),
+)
+def report4_load_checkpoint_and_dispatch() -> str:
+    import torch
+    from accelerate import infer_auto_device_map, init_empty_weights, load_checkpoint_and_dispatch
+    from accelerate.utils import get_balanced_memory
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from devmap_shims.scenarios import BugObserved
+    from devmap_shims.testing import simulated_gpus
+    from devmap_shims.testing.models import greedy_generate, sample_input_ids
+
+    model_dir = fp16_checkpoint()
+    reference = cpu_reference(model_dir)
+    with simulated_gpus(2, memory=GPU_MEMORY), torch.no_grad():
+        # -- the report's code, unchanged but for the checkpoint path --
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=True)
+        with init_empty_weights():
+            engine = AutoModelForCausalLM.from_config(config, trust_remote_code=True, **dtype_kwargs())
+        max_memory = get_balanced_memory(
+            engine,
+            max_memory=None,
+            no_split_module_classes=engine._no_split_modules,
+            dtype="float16",
+            low_zero=False,
+        )
+        device_map = infer_auto_device_map(
+            engine, max_memory=max_memory, no_split_module_classes=engine._no_split_modules, dtype="float16"
+        )
+        engine = load_checkpoint_and_dispatch(engine, checkpoint=model_dir, device_map=device_map)
+        # -- generation, with the inputs on the first GPU --
+        devices = sorted({str(d) for d in device_map.values()})
+        if len(devices) < 2:
+            raise BugObserved(f"the report's map should split the model over two GPUs, got {dict(device_map)}")
+        tokens = greedy_generate(engine, sample_input_ids().to("cuda:0"), max_new_tokens=NEW_TOKENS)
+    if not torch.equal(tokens, reference):
+        raise BugObserved(f"generated {tokens.tolist()} instead of the CPU tokens {reference.tolist()}")
+    return f"split over GPUs {', '.join(devices)}; {NEW_TOKENS} tokens equal to the CPU reference"

@@ -50,47 +50,35 @@ def invalid_ordinal(idx: int) -> RuntimeError:
     )
 
 
+_CURRENT: Any = object()  # cache entry for a bare "cuda": follows torch.cuda.set_device()
+
+
 def parse_device(dev: Any) -> Target:
     """An int for a simulated CUDA device, or the real torch.device for anything else."""
     try:
         hit = _parse_cache.get(dev)
-    except TypeError:
-        hit = None
-    if hit is not None:
-        if isinstance(hit, int) and dev in ("cuda", torch.device("cuda")):
-            return S.MACHINE.current_device  # bare "cuda" follows set_device()
-        return hit
+    except TypeError:  # unhashable: let torch.device complain
+        return torch.device(dev)
+    if hit is None:
+        hit = _parse_cache[dev] = _parse_uncached(dev)
+    if hit is _CURRENT:
+        return S.MACHINE.current_device
+    if isinstance(hit, int) and not hit < S.MACHINE.device_count:
+        raise invalid_ordinal(hit)
+    return hit
+
+
+def _parse_uncached(dev: Any) -> Target:
     if isinstance(dev, bool):
         raise TypeError(f"expected a device, got {dev!r}")
     if isinstance(dev, int):
         if dev < 0:
-            raise RuntimeError(f"Device index must not be negative")
-        idx: Target = dev
-    elif isinstance(dev, str):
-        dev_s = dev.strip()
-        if dev_s == "cuda":
-            _parse_cache[dev] = 0
-            return S.MACHINE.current_device
-        if dev_s.startswith("cuda:"):
-            idx = int(dev_s[5:])
-        else:
-            return torch.device(dev_s)
-    elif isinstance(dev, torch.device):
-        if dev.type != "cuda":
-            return dev
-        if dev.index is None:
-            _parse_cache[dev] = 0
-            return S.MACHINE.current_device
-        idx = dev.index
-    else:
-        return torch.device(dev)
-    if not 0 <= idx < S.MACHINE.device_count:
-        raise invalid_ordinal(idx)
-    try:
-        _parse_cache[dev] = idx
-    except TypeError:
-        pass
-    return idx
+            raise RuntimeError("Device index must not be negative")
+        return dev
+    d = dev if isinstance(dev, torch.device) else torch.device(dev)
+    if d.type != "cuda":
+        return d
+    return _CURRENT if d.index is None else d.index
 
 
 def device_key(t: torch.Tensor) -> Union[int, torch.device]:

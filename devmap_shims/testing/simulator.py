@@ -42,14 +42,20 @@ What is not simulated
     * ``torch.compile``: inside a simulation it returns the function or module unchanged (runs
       eagerly), because Dynamo cannot trace simulated tensors.
     * The allocator's cache (reserved == allocated), memory fractions, CUDA graphs, IPC, NCCL,
-      and any library that calls the CUDA driver itself
-      (custom CUDA extensions, bitsandbytes < 0.46 kernels, ``safetensors`` loading straight to
-      a GPU in native code).
-    * Threads: torch function modes are thread-local, so ops that other threads run are not
-      intercepted (tensors they create are plain CPU tensors).
+      and anything that calls the CUDA driver itself (custom CUDA extensions, bitsandbytes < 0.46
+      kernels). ``safetensors`` loading with ``device="cuda:N"`` does work (it goes through torch).
+    * Threads: torch function modes are thread-local. Work submitted to a
+      ``concurrent.futures.ThreadPoolExecutor`` during the simulation runs inside it (transformers
+      loads checkpoints that way); other threads run unintercepted (their tensors are plain CPU
+      tensors, and a move to ``cuda`` there reaches the real driver and fails).
     * ``torch.save`` writes simulated tensors as CPU tensors (``torch.load`` with a
       ``map_location`` naming a simulated GPU, or of a checkpoint saved on real CUDA, does load
       onto the simulated GPUs; a callable ``map_location`` is used as given).
+    * Error messages: the device-mismatch messages follow torch's own by version (TensorIterator
+      ops "found at least two devices, A and B!"; index_select/embedding, mm/bmm/addmm/linear/
+      matmul, cat/stack, equal with the "(when checking argument ...)" suffix, in the torch >= 2.8
+      wording where torch changed it); other ops that CUDA checks argument by argument get the
+      TensorIterator wording.
 
 Tensors created inside a simulation remain valid CPU tensors after it ends and then report
 ``cpu``. Only one simulation can be active at a time.

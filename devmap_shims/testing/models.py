@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 __all__ = [
     "ARCHS",
     "UnsupportedArchError",
+    "flux_unavailable",
     "greedy_generate",
     "sample_input_ids",
     "save_tiny_causal_lm",
@@ -409,6 +410,28 @@ def _flux_scheduler() -> Any:
     )
 
 
+def flux_unavailable() -> str | None:
+    """Why the tiny Flux pipeline cannot be built with the installed libraries, or ``None`` if it can."""
+    try:
+        import diffusers
+    except ImportError:
+        return "diffusers is not installed"
+    try:
+        from diffusers import FluxPipeline, FluxTransformer2DModel  # noqa: F401
+    except ImportError:
+        return (
+            f"diffusers {diffusers.__version__} has no FluxPipeline / FluxTransformer2DModel "
+            "(they arrived in diffusers 0.30); upgrade diffusers to build the tiny Flux pipeline"
+        )
+    return None
+
+
+def _require_flux() -> None:
+    reason = flux_unavailable()
+    if reason is not None:
+        raise ImportError(reason)
+
+
 def _flux_seed(seed: int, component: str) -> int:
     """Weight seed of one pipeline component (each component has its own stream)."""
     return seed * 1000 + _FLUX_COMPONENTS.index(component)
@@ -421,6 +444,7 @@ def tiny_flux_transformer(
     seed: int = 0, dtype: torch.dtype = torch.float32, *, guidance_embeds: bool = True
 ) -> Any:
     """The ``FluxTransformer2DModel`` of :func:`tiny_flux_pipeline` with the same ``seed`` (same weights)."""
+    _require_flux()
     component_seed = _flux_seed(seed, "transformer")
     with _seeded(component_seed):
         module = _tiny_flux_transformer(guidance_embeds)
@@ -438,6 +462,7 @@ def tiny_flux_pipeline(
     ``CLIPTokenizer`` and ``T5EncoderModel`` + ``T5TokenizerFast`` with tokenizers made
     locally. ``guidance_embeds=False`` gives the FLUX.1-schnell layout (no guidance input).
     """
+    _require_flux()
     from diffusers import FluxPipeline
 
     from ._tokenizers import tiny_clip_tokenizer, tiny_t5_tokenizer

@@ -30,6 +30,7 @@ if torch.version.cuda is None:
 from devmap_shims.testing import simulated_gpus  # noqa: E402
 from devmap_shims.testing.models import (  # noqa: E402
     ARCHS,
+    flux_unavailable,
     greedy_generate,
     sample_input_ids,
     save_tiny_causal_lm,
@@ -179,19 +180,53 @@ def test_from_pretrained_balanced_split_generates_cpu_tokens(arch, n, strategy, 
 # ----------------------------------------------------------------------------- dispatch_model
 
 
+def _kv_cache_bug_applies() -> bool:
+    """Whether the matrix says a plain dispatch_model drags the KV cache here (transformers < 4.42)."""
+    from devmap_shims.compat_matrix import load_matrix
+    from devmap_shims.versions import installed_versions
+
+    matrix = load_matrix()
+    return matrix.get(KV_CACHE_BUG).applies(installed_versions(matrix.distributions()))
+
+
+KV_CACHE_BUG = "dispatch-without-skip-keys-moves-kv-cache"
+
+
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("arch", ARCH_PARAMS)
-def test_dispatch_model_generates_cpu_tokens(arch, n, references):
+def test_dispatch_model_with_the_models_skip_keys_generates_cpu_tokens(arch, n, references):
+    """dispatch_model as from_pretrained calls it (skip_keys=model._skip_keys_device_placement)."""
     from accelerate import dispatch_model
 
     ref = references(arch)
     model = tiny_causal_lm(arch, num_layers=NUM_LAYERS)  # the weights that were saved
     device_map = ref.explicit_map(n)
     with simulated_gpus(n, memory=MEMORY):
-        model = dispatch_model(model, device_map=device_map)
+        model = dispatch_model(model, device_map=device_map, skip_keys=model._skip_keys_device_placement)
         _assert_placed(model, device_map, n)
         tokens = _generate_on_first_gpu(model, ref.input_ids)
     assert torch.equal(tokens, ref.tokens), f"{arch} dispatched on {n} GPUs"
+
+
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
+def test_plain_dispatch_model_generates_cpu_tokens_where_the_matrix_says_it_can(arch, references):
+    """A bare dispatch_model(model, device_map): the CPU tokens, or, on the stacks of matrix row
+    dispatch-without-skip-keys-moves-kv-cache, CUDA's device-mismatch error in the KV cache."""
+    from accelerate import dispatch_model
+
+    ref = references(arch)
+    model = tiny_causal_lm(arch, num_layers=NUM_LAYERS)
+    n = 2
+    device_map = ref.explicit_map(n)
+    with simulated_gpus(n, memory=MEMORY):
+        model = dispatch_model(model, device_map=device_map)
+        _assert_placed(model, device_map, n)
+        if _kv_cache_bug_applies():
+            with pytest.raises(RuntimeError, match=r"found at least two devices, cuda:\d and cuda:\d!"):
+                _generate_on_first_gpu(model, ref.input_ids)
+            return
+        tokens = _generate_on_first_gpu(model, ref.input_ids)
+    assert torch.equal(tokens, ref.tokens), f"{arch} dispatched on {n} GPUs without skip_keys"
 
 
 # ----------------------------------------------------------------------------- Flux
@@ -211,7 +246,9 @@ def _flux_run(pipe, output_type: str = "pt"):
 
 @pytest.fixture(scope="module")
 def flux_cpu():
-    pytest.importorskip("diffusers")
+    reason = flux_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
     pipe = tiny_flux_pipeline()
     pipe.set_progress_bar_config(disable=True)
     return pipe, _flux_run(pipe), _flux_run(pipe, "latent")
@@ -265,7 +302,8 @@ def _bnb_has_cpu_kernels() -> bool:
     "older releases quantize only through their CUDA library",
 )
 def test_flux_transformer_reloads_in_4bit_and_runs_on_either_gpu(tmp_path):
-    pytest.importorskip("diffusers")
+    if flux_unavailable() is not None:
+        pytest.skip(flux_unavailable())
     from diffusers import BitsAndBytesConfig, FluxPipeline, FluxTransformer2DModel
 
     from devmap_shims.testing.models import save_tiny_flux_pipeline

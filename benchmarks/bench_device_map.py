@@ -70,7 +70,7 @@ def timing_rows(repeat: int = 15) -> List[Dict[str, Any]]:
 
 def ratio_rows() -> List[Dict[str, Any]]:
     from device_map_checks import budgets_for, check_map, library_sizes
-    from device_map_corpus import CASES, config_for
+    from device_map_corpus import CASES, ArchitectureMissing, config_for
 
     from devmap_shims.planning import stack
 
@@ -79,8 +79,14 @@ def ratio_rows() -> List[Dict[str, Any]]:
     for case in CASES:
         key = (case.model, case.quantization)
         if key not in metas:
-            metas[key] = stack.build_meta_model(config_for(case.model), "bfloat16", case.quantization)
+            try:
+                metas[key] = stack.build_meta_model(config_for(case.model), "bfloat16", case.quantization)
+            except ArchitectureMissing as exc:
+                metas[key] = None
+                print(f"skipping {case.model}: {exc}")
         meta = metas[key]
+        if meta is None:
+            continue
         sizes = library_sizes(meta, case.strategy)
         budgets = budgets_for(meta, case.max_memory())
         without = check_map(meta, stack.device_map_step(meta, case.strategy, case.max_memory(), shim=False),

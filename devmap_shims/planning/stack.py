@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 QUANTIZATIONS = ("none", "4bit", "8bit")
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -76,9 +76,77 @@ def torch_dtype(name: str) -> Any:
     return value
 
 
+def _needs_simulation() -> bool:
+    """True on a machine without a GPU where the stack cannot compute placements by itself:
+    torch 2.5/2.6 refuse ``torch.device(0)`` without an accelerator, and transformers < 4.45
+    disables its bitsandbytes integration when CUDA is unavailable."""
+    import importlib.util
+
+    import torch
+
+    if torch.cuda.is_available() or torch.version.cuda is None:
+        return False
+    try:
+        torch.device(0)
+    except Exception:
+        return True
+    try:
+        from transformers.utils import is_bitsandbytes_available
+
+        if importlib.util.find_spec("bitsandbytes") is not None and not is_bitsandbytes_available():
+            return True
+    except Exception:  # pragma: no cover - very old transformers
+        pass
+    return False
+
+
+@contextlib.contextmanager
+def gpu_context(gpu_sizes: Sequence[int] = (2**30,)) -> Iterator[None]:
+    """Run the block on simulated GPUs of these sizes when the stack needs GPUs to be present
+    to compute a placement (see :func:`_needs_simulation`), unless a simulation is running."""
+    if not _needs_simulation():
+        yield
+        return
+    try:
+        from devmap_shims.testing.simulator import active_machine, simulated_gpus
+    except Exception:  # pragma: no cover - simulator unavailable: let the library say why
+        yield
+        return
+    if active_machine() is not None:
+        yield
+        return
+    sizes = [int(s) for s in gpu_sizes] or [2**30]
+    with simulated_gpus(len(sizes), memory=sizes):
+        yield
+
+
+def _gpu_sizes(max_memory: Optional[Dict[Any, Any]]) -> List[int]:
+    if not max_memory:
+        return [2**30]
+    ids = [k for k in max_memory if isinstance(k, int) and not isinstance(k, bool)]
+    if not ids:
+        return [2**30]
+    sizes = [2**30] * (max(ids) + 1)
+    for k in ids:
+        try:
+            sizes[k] = max(int(max_memory[k]), 1)
+        except (TypeError, ValueError):
+            pass
+    return sizes
+
+
 def build_meta_model(config: Any, dtype: str = "bfloat16", quantization: str = "none") -> MetaModel:
     """``AutoModelForCausalLM`` skeleton for ``config`` on the meta device, then the bitsandbytes
     quantizer's module replacement, as ``from_pretrained(quantization_config=...)`` does."""
+    if quantization != "none":
+        # bitsandbytes picks its native library at import: import it before any simulated GPU
+        # exists, or it looks for libcuda
+        import bitsandbytes  # noqa: F401
+    with gpu_context():
+        return _build_meta_model(config, dtype, quantization)
+
+
+def _build_meta_model(config: Any, dtype: str, quantization: str) -> MetaModel:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -166,7 +234,7 @@ def device_map_step(meta: MetaModel, strategy: str, max_memory: Optional[Dict[An
     if strategy not in STRATEGIES:
         raise PlanInputError(f"unknown device_map strategy {strategy!r} (use one of {', '.join(STRATEGIES)})")
     mm = dict(max_memory) if max_memory is not None else None
-    with quiet_missing_devices():
+    with quiet_missing_devices(), gpu_context(_gpu_sizes(mm)):
         if transformers_major() >= 5:
             return _step_v5(meta, strategy, mm, shim)
         return _step_v4(meta, strategy, mm, shim)
@@ -245,7 +313,7 @@ def layout_and_budgets(meta: MetaModel, strategy: str, max_memory: Optional[Dict
     from devmap_shims.hooks import device_map as hook
 
     mm = dict(max_memory) if max_memory is not None else None
-    with quiet_missing_devices():
+    with quiet_missing_devices(), gpu_context(_gpu_sizes(mm)):
         if transformers_major() >= 5:
             from transformers.integrations import accelerate as tia
 

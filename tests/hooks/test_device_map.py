@@ -34,9 +34,20 @@ MISTRAL_7B = dict(
 )
 
 
+GEMMA_7B = dict(
+    vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=16, head_dim=256, tie_word_embeddings=True,
+)
+
+
 @pytest.fixture(scope="module")
 def gemma():
-    return stack.build_meta_model(transformers.Gemma2Config(**GEMMA_27B), "bfloat16", "4bit")
+    """Gemma-2-27B, or Gemma-7B (same 256k tied vocabulary) where transformers predates Gemma-2."""
+    if hasattr(transformers, "Gemma2Config"):
+        config = transformers.Gemma2Config(**GEMMA_27B)
+    else:
+        config = transformers.GemmaConfig(**GEMMA_7B)
+    return stack.build_meta_model(config, "bfloat16", "4bit")
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +155,9 @@ def test_explicit_dict_map_is_returned_unchanged_by_the_library_path(gemma):
         # transformers 4.x never calls accelerate's placer for a dict map; a direct
         # infer_auto_device_map call without balancing is not touched either
         original = stack.original(am.infer_auto_device_map)
-        kwargs = dict(max_memory={i: 2 * GiB for i in range(8)}, no_split_module_classes=["Gemma2DecoderLayer"])
-        with stack.quiet_missing_devices():
+        kwargs = dict(max_memory={i: 2 * GiB for i in range(8)},
+                      no_split_module_classes=list(gemma.model._no_split_modules))
+        with stack.quiet_missing_devices(), stack.gpu_context([23 * GiB] * 8):
             direct = original(gemma.model, **kwargs)
             through = hook.repair_infer_auto_device_map(original, None, (gemma.model,), dict(kwargs))
         assert through == direct
@@ -174,7 +186,7 @@ def run_pair(model, user, kwargs, factor=0.9, shim=True, second_infer=False):
         call_iadm = lambda *a, **k: hook.repair_infer_auto_device_map(iadm, None, a, k)  # noqa: E731
     else:
         call_gbm, call_iadm = gbm, iadm
-    with stack.quiet_missing_devices():
+    with stack.quiet_missing_devices(), stack.gpu_context([23 * GiB] * 8):
         balanced = call_gbm(model, max_memory=None if user is None else dict(user), **kwargs)
         balanced = {k: v * factor for k, v in balanced.items()}
         first = call_iadm(model, max_memory=balanced, **kwargs)
@@ -244,13 +256,13 @@ def _library_step(meta, strategy, max_memory):
     if V5:
         from transformers.integrations import accelerate as tia
 
-        with stack.quiet_missing_devices(), stack._no_environment_check(meta.quantizer):
+        with stack.quiet_missing_devices(), stack._no_environment_check(meta.quantizer), stack.gpu_context():
             return tia._get_device_map(meta.model, strategy, dict(max_memory), meta.quantizer)
     model, q, dt = meta.model, meta.quantizer, meta.dtype
     special = q.get_special_dtypes_update(model, dt)
     target = q.adjust_target_dtype(dt)
     no_split = model._get_no_split_modules(strategy)
-    with stack.quiet_missing_devices():
+    with stack.quiet_missing_devices(), stack.gpu_context([23 * GiB] * 8):
         mm = transformers.modeling_utils.get_balanced_memory(
             model, dtype=target, low_zero=False, max_memory=dict(max_memory),
             no_split_module_classes=no_split, special_dtypes=special,

@@ -85,11 +85,16 @@ def no_shims():
     devmap_shims.uninstall()
 
 
-def test_without_the_shim_the_model_lands_on_one_gpu(checkpoint, no_shims):
+def test_without_the_shim_gpus_are_left_idle(checkpoint, no_shims):
+    """One GPU holds everything on transformers >= 4.45; transformers 4.40 + accelerate 0.29
+    skips GPU 0 instead (its main-device reserve is the embedding) and spreads over the rest."""
     with simulated_gpus(GPUS, memory=GPU_MEMORY):
         model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, device_map="auto", **load_kwargs())
         devices = param_devices(model)
-    assert len(devices) == 1 and next(iter(devices)).type == "cuda", devices
+    assert all(d.type == "cuda" for d in devices), devices
+    assert len(devices) < GPUS, devices
+    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 45):
+        assert len(devices) == 1, devices
 
 
 def test_with_the_shim_it_spreads_and_generates_the_cpu_tokens(checkpoint, cpu_tokens, no_shims, caplog):

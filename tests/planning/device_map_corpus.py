@@ -19,6 +19,12 @@ MODELS: Dict[str, Dict[str, Any]] = {
         num_hidden_layers=46, num_attention_heads=32, num_key_value_heads=16, head_dim=128,
         tie_word_embeddings=True,
     ),
+    # google/gemma-7b: the same 256k tied vocabulary, on every transformers since 4.38
+    "gemma-7b": dict(
+        model_type="gemma", vocab_size=256000, hidden_size=3072, intermediate_size=24576,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=16, head_dim=256,
+        tie_word_embeddings=True,
+    ),
     "gemma-2-9b": dict(
         model_type="gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
         num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
@@ -96,6 +102,7 @@ CASES = (
     # GPU 0 capped below the 2.2 GiB embedding that must come first: it has to stay empty
     Case("gemma-2-27b", 8, 23, caps=((0, 1),)),
     Case("gemma-2-9b", 4, 16),
+    Case("gemma-7b", 8, 23, tags=("headline",)),
     Case("mistral-7b", 8, 23),
     Case("mistral-7b", 4, 24, quantization="none"),
     Case("llama-3-8b", 8, 23),
@@ -121,10 +128,20 @@ CASES = (
 )
 
 
+class ArchitectureMissing(LookupError):
+    """The installed transformers predates the model's architecture."""
+
+
 def config_for(model: str) -> Any:
     """A transformers config object built from the published values (fresh each call)."""
+    import transformers
     from transformers import AutoConfig
 
     fields = dict(MODELS[model])
     model_type = fields.pop("model_type")
-    return AutoConfig.for_model(model_type, **fields)
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except ValueError as exc:
+        if "Unrecognized model identifier" in str(exc):
+            raise ArchitectureMissing(f"transformers {transformers.__version__} has no {model_type}") from None
+        raise

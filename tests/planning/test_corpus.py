@@ -20,7 +20,7 @@ from device_map_checks import (
     table_row,
     transformers_major,
 )
-from device_map_corpus import CASES, Case, config_for
+from device_map_corpus import CASES, ArchitectureMissing, Case, config_for
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -30,8 +30,22 @@ from devmap_shims.planning import stack  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
+def _meta_model(model: str, quantization: str):
+    try:
+        return stack.build_meta_model(config_for(model), "bfloat16", quantization)
+    except ArchitectureMissing as exc:
+        return exc
+
+
 def meta_model(model: str, quantization: str):
-    return stack.build_meta_model(config_for(model), "bfloat16", quantization)
+    meta = _meta_model(model, quantization)
+    if isinstance(meta, ArchitectureMissing):
+        pytest.skip(str(meta))
+    return meta
+
+
+def available(case: Case) -> bool:
+    return not isinstance(_meta_model(case.model, case.quantization), ArchitectureMissing)
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,6 +91,8 @@ def test_healthy_maps_come_back_unchanged():
     """Where the library's own map already meets every rule, the shim returns it as is."""
     checked = []
     for case in CASES:
+        if not available(case):
+            continue
         without, with_shim, before, _ = run_case(case)
         healthy = not before.violations and (
             case.ratio_exemption is not None
@@ -98,19 +114,24 @@ def test_shim_never_makes_a_map_worse(case: Case):
         assert after.max_gpu_load <= before.max_gpu_load
 
 
-def test_gemma_2_27b_4bit_on_8x23gib_reproduces_the_bug_without_the_shim():
-    """The headline report (huggingface/transformers#34751). On transformers 4.x + accelerate the
-    whole model lands on the last GPU; transformers 5.x sizes its balancing buffer from the largest
-    leaf as well (huggingface/transformers#47211), which no longer collapses the map but still
-    leaves half of the GPUs idle. A change here means the matrix row needs another look."""
-    case = next(c for c in CASES if "headline" in c.tags)
+HEADLINES = [c for c in CASES if "headline" in c.tags]
+
+
+@pytest.mark.parametrize("case", HEADLINES, ids=[c.id for c in HEADLINES])
+def test_headline_reproduces_the_bug_without_the_shim(case: Case):
+    """The headline report (huggingface/transformers#34751: Gemma-2-27B, 4-bit, 8x A10G; Gemma-7B has
+    the same 256k tied vocabulary and exists on older transformers). On transformers 4.x +
+    accelerate the whole model lands on the last GPU; transformers 5.x sizes its balancing buffer
+    from the largest leaf as well (huggingface/transformers#47211), which no longer collapses the
+    map but still leaves half of the GPUs idle. A change here means the matrix row needs another
+    look."""
     without, with_shim, before, after = run_case(case)
     if transformers_major() < 5:
         assert set(without.values()) == {7} and len(without) == 1, without
     else:
         # 5.17: {'': 7}; 5.23 (largest-leaf buffer): GPUs 0-3 only
         assert len(before.gpus_used) <= 4, before.gpus_used
-        assert before.ratio > 1.5
+        assert before.ratio > 1.4
     assert before.violations or before.ratio > TOLERANCE
     assert after.gpus_used == list(range(8))
     assert after.ratio <= TOLERANCE and not after.violations
@@ -123,7 +144,8 @@ def test_accelerate_own_balancing_collapses_gemma_2_27b_and_the_shim_spreads_it(
 
     from devmap_shims.hooks import device_map as hook
 
-    meta = meta_model("gemma-2-27b", "4bit")
+    name = "gemma-2-27b" if available(CASES[0]) else "gemma-7b"
+    meta = meta_model(name, "4bit")
     model, q = meta.model, meta.quantizer
     if transformers_major() >= 5:
         import torch
@@ -146,7 +168,7 @@ def test_accelerate_own_balancing_collapses_gemma_2_27b_and_the_shim_spreads_it(
         return iadm(model, max_memory=balanced, **kwargs)
 
     gbm, iadm = stack.original(am.get_balanced_memory), stack.original(am.infer_auto_device_map)
-    with stack.quiet_missing_devices():
+    with stack.quiet_missing_devices(), stack.gpu_context([23 * 2**30] * 8):
         plain = run(gbm, iadm)
         fixed = run(
             lambda *a, **k: hook.remember_balanced_memory(gbm, None, a, k),
@@ -161,6 +183,8 @@ def test_print_ratio_table(capsys):
     rows = [("case", "without", "with shim", "best", "GPUs used")]
     worst = 0.0
     for case in CASES:
+        if not available(case):
+            continue
         without, with_shim, before, after = run_case(case)
         rows.append(table_row(case.id, before, after))
         if not case.ratio_exemption:

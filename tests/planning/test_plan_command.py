@@ -9,10 +9,11 @@ import pytest
 
 from devmap_shims.planning import plan_command
 
-GEMMA_27B = dict(
-    model_type="gemma2", architectures=["Gemma2ForCausalLM"], vocab_size=256000, hidden_size=4608,
-    intermediate_size=36864, num_hidden_layers=46, num_attention_heads=32, num_key_value_heads=16,
-    head_dim=128, tie_word_embeddings=True, torch_dtype="bfloat16",
+# google/gemma-7b: Gemma-2-27B's 256k tied vocabulary, on every transformers since 4.38
+GEMMA_7B = dict(
+    model_type="gemma", architectures=["GemmaForCausalLM"], vocab_size=256000, hidden_size=3072,
+    intermediate_size=24576, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=16,
+    head_dim=256, tie_word_embeddings=True, torch_dtype="bfloat16",
 )
 
 
@@ -30,7 +31,7 @@ def run(capsys, *argv):
 
 @pytest.fixture
 def gemma_dir(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(GEMMA_27B))
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA_7B))
     return tmp_path
 
 
@@ -93,7 +94,7 @@ def test_not_a_causal_lm(capsys, tmp_path):
 def test_unsupported_prequantized_config(capsys, tmp_path):
     pytest.importorskip("transformers")
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({**GEMMA_27B, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    path.write_text(json.dumps({**GEMMA_7B, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
     assert_usage_error(*run(capsys, str(path), "--gpus", "8x23GiB"))
 
 
@@ -107,7 +108,7 @@ def stack_ready():
     pytest.importorskip("bitsandbytes")
 
 
-def test_json_plan_for_gemma_2_27b_4bit_on_8_gpus(capsys, gemma_dir, stack_ready):
+def test_json_plan_for_gemma_7b_4bit_on_8_gpus(capsys, gemma_dir, stack_ready):
     code, out, err = run(capsys, str(gemma_dir / "config.json"), "--gpus", "8x23GiB", "--quantization", "4bit",
                          "--cpu-memory", "180GiB", "--json")
     report = json.loads(out)
@@ -154,7 +155,7 @@ def test_sequential_is_left_alone(capsys, gemma_dir, stack_ready):
 
 def test_prequantized_bnb_config_is_planned_in_4bit(capsys, tmp_path, stack_ready):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({**GEMMA_27B, "quantization_config": {"quant_method": "bitsandbytes",
+    path.write_text(json.dumps({**GEMMA_7B, "quantization_config": {"quant_method": "bitsandbytes",
                                                                      "load_in_4bit": True}}))
     code, out, _ = run(capsys, str(path), "--gpus", "8x23GiB", "--cpu-memory", "180GiB", "--json")
     assert json.loads(out)["quantization"] == "4bit"

@@ -66,6 +66,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import types
 from typing import Any, Iterator, List, Sequence, Tuple, Union
 
 import torch
@@ -235,6 +236,21 @@ def _compile_eagerly(model: Any = None, **kwargs: Any) -> Any:
     return model
 
 
+def _outside_falls_back(stand_in: Any, original: Any) -> Any:
+    """A stand-in function that calls the original once no simulation runs (a module that bound
+    ``from torch.cuda import device_count`` during a simulation keeps working after it)."""
+    if not isinstance(stand_in, types.FunctionType) or not callable(original):
+        return stand_in
+
+    @functools.wraps(stand_in)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if S.MACHINE is None:
+            return original(*args, **kwargs)
+        return stand_in(*args, **kwargs)
+
+    return call
+
+
 def _int_device_needs_standin() -> bool:
     if FORCE_DEVICE_STANDIN:
         return True
@@ -277,14 +293,14 @@ def _install(patcher: _Patcher) -> None:
     patcher.set(T, "is_cpu", property(_is_cpu, doc=_TensorBase.is_cpu.__doc__))
     patcher.set(T, "get_device", _get_device)
     patcher.set(T, "record_stream", _record_stream)
-    for name, value in _sim_cuda.cuda_namespace().items():
-        for mod in _cuda_modules():
-            if name in mod.__dict__:
-                patcher.set(mod, name, value)
-    for name, value in _sim_cuda.accelerator_namespace().items():
-        for mod in _accelerator_modules():
-            if name in mod.__dict__:
-                patcher.set(mod, name, value)
+    for namespace, modules in (
+        (_sim_cuda.cuda_namespace(), _cuda_modules()),
+        (_sim_cuda.accelerator_namespace(), _accelerator_modules()),
+    ):
+        for name, value in namespace.items():
+            for mod in modules:
+                if name in mod.__dict__:
+                    patcher.set(mod, name, _outside_falls_back(value, mod.__dict__[name]))
     patcher.set(torch, "Generator", _sim_cuda.GeneratorStandIn)
     # transformers 4.4x compiles the forward for static/hybrid caches when the model is on CUDA
     patcher.set(torch, "compile", _compile_eagerly)

@@ -575,6 +575,15 @@ def test_exit_restores_after_an_error():
         assert m.allocated(1) == 0 and torch.cuda.device_count() == 3
 
 
+def test_functions_bound_during_a_simulation_fall_back_afterwards():
+    with simulated_gpus(3):
+        bound_count = torch.cuda.device_count
+        bound_available = torch.cuda.is_available
+        assert bound_count() == 3
+    assert bound_count() == torch.cuda.device_count()
+    assert bound_available() == torch.cuda.is_available()
+
+
 def test_nothing_leaks_into_the_next_simulation():
     with simulated_gpus(2) as m1:
         a = torch.ones(4, device="cuda:1")

@@ -89,12 +89,13 @@ def _argument(name: str, positions: Dict[str, int], args: Tuple[Any, ...], kwarg
 
 
 def model_skip_keys(model: Any) -> Any:
-    """What ``from_pretrained`` passes: the model's ``_skip_keys_device_placement`` (None if none)."""
+    """What ``from_pretrained`` passes: the model's ``_skip_keys_device_placement`` as it is (a string,
+    or a list, or the set transformers 5 builds), or None when the model declares none."""
     keys = getattr(model, "_skip_keys_device_placement", None)
     if isinstance(keys, str):
+        return keys or None
+    if isinstance(keys, (list, tuple, set, frozenset)) and keys and all(isinstance(k, str) for k in keys):
         return keys
-    if isinstance(keys, (list, tuple)) and keys and all(isinstance(k, str) for k in keys):
-        return list(keys)
     return None
 
 

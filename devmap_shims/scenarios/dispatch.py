@@ -98,3 +98,66 @@ def report4_load_checkpoint_and_dispatch() -> str:
     if not torch.equal(tokens, reference):
         raise BugObserved(f"generated {tokens.tolist()} instead of the CPU tokens {reference.tolist()}")
     return f"split over GPUs {', '.join(devices)}; {NEW_TOKENS} tokens equal to the CPU reference"
+
+
+def _state_model() -> Any:
+    """A block (mapped to one GPU) whose inner layer reads a per-call ``state`` that the caller keeps on
+    another GPU and that the model lists in ``_skip_keys_device_placement`` (as decoder models list
+    their KV cache)."""
+    import torch
+
+    class Inner(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+            self.state_device = None
+
+        def forward(self, x: Any, state: Any = None) -> Any:
+            self.state_device = state.device
+            return self.linear(x)
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x: Any, state: Any = None) -> Any:
+            return self.inner(x, state=state)
+
+    class Model(torch.nn.Module):
+        _skip_keys_device_placement = "state"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block()
+            self.head = torch.nn.Linear(4, 4)
+
+        def forward(self, x: Any, state: Any = None) -> Any:
+            return self.head(self.block(x, state=state))
+
+    return Model()
+
+
+@scenario(
+    "accelerate-skip-keys-not-propagated",
+    "dispatch_model(..., skip_keys='state'): the keyword must reach the layers inside a mapped block unmoved",
+    needs=("torch", "accelerate"),
+)
+def skip_keys_inside_a_mapped_block() -> str:
+    import torch
+    from accelerate import dispatch_model
+
+    from devmap_shims.scenarios import BugObserved
+    from devmap_shims.testing import simulated_gpus
+
+    with simulated_gpus(2, memory=GPU_MEMORY), torch.no_grad():
+        model = dispatch_model(_state_model(), device_map={"block": 0, "head": 1}, skip_keys="state")
+        state = torch.zeros(4, device="cuda:1")
+        model(torch.ones(1, 4, device="cuda:0"), state=state)
+        seen, kept = str(model.block.inner.state_device), str(state.device)
+    if seen != kept:
+        raise BugObserved(
+            f"'state' is in skip_keys and the caller keeps it on {kept}, but the layer inside the "
+            f"block mapped to cuda:0 received it on {seen}: the block's child hooks were built without skip_keys"
+        )
+    return f"'state' reached the layer inside the cuda:0 block on {seen}, untouched"

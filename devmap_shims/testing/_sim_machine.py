@@ -286,7 +286,8 @@ def _oom_error_type() -> type:
 
 
 def _alloc_conf_doc_url() -> str:
-    if _sim_state.TORCH_VERSION >= (2, 8):
+    # the link at the end of CUDA's OOM message moved to docs.pytorch.org in torch 2.11
+    if _sim_state.TORCH_VERSION >= (2, 11):
         return "https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf"
     return "https://pytorch.org/docs/stable/notes/cuda.html#environment-variables"
 

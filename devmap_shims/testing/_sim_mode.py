@@ -176,7 +176,7 @@ def ti_mismatch(common: Any, other: Any) -> RuntimeError:
 
 
 def adaption_mismatch(common: Any, other: Any, arg: str, method: str) -> RuntimeError:
-    """The generated kernel wrappers' message (aten/src/ATen/core/adaption.cpp)."""
+    """The generated kernel wrappers' message (aten/src/ATen/core/adaption.cpp); reworded in torch 2.8."""
     if S.TORCH_VERSION >= (2, 8):
         return RuntimeError(
             f"Expected all tensors to be on the same device, but got {arg} is on {fmt_device(other)}, "

@@ -1,0 +1,414 @@
+"""The quant-state-follows-weight shim with the real bitsandbytes classes of the installed stack.
+
+4-bit parameters are built with ``Params4bit.from_prequantized`` from the pure-torch NF4 quantizer
+(bitsandbytes < 0.46 cannot quantize without CUDA) and moved between simulated GPUs. Where the
+matrix says a bug applies, the tests first show it reproducing without the shim, so a wrong row is
+caught; everywhere the shim is tested forced on, since its repairs must also be harmless on fixed
+releases.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import logging
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+bnb = pytest.importorskip("bitsandbytes")  # imported before any simulation starts (it probes CUDA)
+
+from bitsandbytes.functional import QuantState  # noqa: E402
+from bitsandbytes.nn import Int8Params, Linear4bit, Params4bit  # noqa: E402
+
+import devmap_shims  # noqa: E402
+from devmap_shims.checks import check_devices  # noqa: E402
+from devmap_shims.compat_matrix import load_matrix  # noqa: E402
+from devmap_shims.hooks import quant_state as hook  # noqa: E402
+from devmap_shims.testing.nf4 import linear4bit, params4bit  # noqa: E402
+from devmap_shims.versions import installed_versions  # noqa: E402
+
+if torch.version.cuda is None:  # pragma: no cover - the simulator needs a CUDA build of torch
+    pytest.skip("the GPU simulator needs a CUDA build of torch", allow_module_level=True)
+
+MATRIX = load_matrix()
+VERSIONS = installed_versions(MATRIX.distributions())
+CODE_BUG_HERE = MATRIX.get(hook.CODE_BUG).applies(VERSIONS)
+FLAG_BUG_HERE = MATRIX.get(hook.FLAG_BUG).applies(VERSIONS)
+SIM = pytest.mark.simulated_gpus(n=2, memory="1GiB")
+
+
+def weight(rows=64, cols=128, seed=0, dtype=torch.float32):
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def state_devices(param):
+    return {name: str(t.device) for _o, _a, name, t in hook.state_tensors(param.quant_state)}
+
+
+def state_values(state):
+    return {name: t.detach().cpu().clone() for _o, _a, name, t in hook.state_tensors(state)}
+
+
+def assert_same_state(state, reference):
+    values = state_values(state)
+    assert values.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(values[name], tensor), name
+
+
+@pytest.fixture
+def no_shim():
+    devmap_shims.uninstall()
+    yield
+    devmap_shims.uninstall()
+
+
+@pytest.fixture
+def shim():
+    """The shim forced on, so its repairs are exercised on every stack (fixed ones included)."""
+    devmap_shims.uninstall()
+    assert devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+    yield
+    devmap_shims.uninstall()
+
+
+def shim_status():
+    return next(s for s in devmap_shims.status()["shims"] if s["id"] == hook.SHIM_ID)
+
+
+# -- declaration ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("target", hook.SHIMS[0].targets, ids=lambda t: t.key)
+def test_declared_targets_exist_with_their_parameters_on_this_stack(target):
+    module = importlib.import_module(target.module)
+    owner_name, _, name = target.qualname.rpartition(".")
+    owner = getattr(module, owner_name)
+    assert name in vars(owner), f"{target.key} is inherited or missing: the shim would wrap the wrong class"
+    params = set(inspect.signature(vars(owner)[name]).parameters)
+    assert set(target.expect_params) <= params
+
+
+def test_shim_is_compile_reachable_and_fixes_both_rows():
+    (shim_record,) = hook.SHIMS
+    assert shim_record.compile_reachable
+    assert set(shim_record.fixes) == {hook.CODE_BUG, hook.FLAG_BUG}
+    for bug_id in shim_record.fixes:
+        assert MATRIX.get(bug_id).shim == hook.SHIM_ID
+
+
+def test_modules_import_no_target_library():
+    code = (
+        "import sys, devmap_shims.hooks.quant_state, devmap_shims.hooks.pipeline_to, devmap_shims.checks, "
+        "devmap_shims.scenarios.quant_state; "
+        "print(sorted(m for m in ('torch', 'bitsandbytes', 'diffusers', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# -- the matrix decides ------------------------------------------------------------------------------
+def test_installed_without_force_the_matrix_decides(no_shim):
+    devmap_shims.install(only=[hook.SHIM_ID])
+    bnb.functional  # noqa: B018 - already imported: the targets are armed at install
+    status = shim_status()
+    if CODE_BUG_HERE or FLAG_BUG_HERE:
+        assert status["state"] == "active"
+        assert isinstance(vars(Params4bit)["to"], type(lambda: None)) and hasattr(vars(Params4bit)["to"], "__wrapped__")
+    else:
+        assert status["state"] == "skipped"
+        assert "not affected" in status["applicability"]
+        assert not hasattr(vars(Params4bit)["to"], "__wrapped__")
+
+
+def test_doctor_says_whether_the_shim_is_on():
+    out = subprocess.run(
+        [sys.executable, "-m", "devmap_shims", "doctor", "--json"], capture_output=True, text=True, check=True
+    )
+    import json
+
+    report = json.loads(out.stdout[out.stdout.index("{"):])
+    shims = {s["id"]: s for s in report["shims"]}
+    entry = shims[hook.SHIM_ID]
+    assert entry["applies"] == (CODE_BUG_HERE or FLAG_BUG_HERE)
+    if not entry["applies"]:
+        assert entry["state"] == "skipped" and "not affected" in entry["applicability"]
+
+
+# -- bnb-quantstate-code-not-moved -----------------------------------------------------------------
+@SIM
+@pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
+def test_without_the_shim_code_stays_where_the_matrix_says(no_shim, nested):
+    param = params4bit(weight(), "cuda:0", compress_statistics=nested)
+    moved = param.to("cuda:1")
+    devices = state_devices(moved)
+    assert str(moved.device) == "cuda:1" and devices["absmax"] == "cuda:1"
+    if CODE_BUG_HERE:
+        assert devices["code"] == "cuda:0", "bnb-quantstate-code-not-moved applies here but code moved"
+        assert {k: v for k, v in devices.items() if k != "code"} == {k: "cuda:1" for k in devices if k != "code"}
+    else:
+        assert set(devices.values()) == {"cuda:1"}
+
+
+@SIM
+@pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
+def test_with_the_shim_every_quant_state_tensor_follows(shim, nested):
+    param = params4bit(weight(), "cuda:0", compress_statistics=nested)
+    reference = state_values(param.quant_state)
+    moved = param.to("cuda:1")
+    expected = {"code", "absmax"} | ({"offset", "state2.absmax", "state2.code"} if nested else set())
+    assert expected <= set(state_devices(moved))
+    assert set(state_devices(moved).values()) == {"cuda:1"}
+    assert_same_state(moved.quant_state, reference)
+    assert shim_status()["state"] == "active"
+
+
+@SIM
+def test_quant_state_to_alone_moves_code(shim):
+    param = params4bit(weight(), "cuda:0", compress_statistics=True)
+    param.quant_state.to("cuda:1")
+    assert set(state_devices(param).values()) == {"cuda:1"}
+    param.quant_state.to(torch.device("cuda", 0))
+    assert set(state_devices(param).values()) == {"cuda:0"}
+
+
+@SIM
+def test_module_to_leaves_strays_without_and_none_with_the_shim(no_shim):
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            linear4bit(torch.nn.Linear(128, 64), "cuda:0", compress_statistics=True),
+            torch.nn.ReLU(),
+            linear4bit(torch.nn.Linear(64, 32), "cuda:0"),
+        )
+
+    plain = model().to("cuda:1")
+    strays = check_devices(plain)
+    if CODE_BUG_HERE:
+        assert sorted(s["name"] for s in strays) == ["0.weight.quant_state.code", "2.weight.quant_state.code"]
+        assert {s["device"] for s in strays} == {"cuda:0"} and {s["shape"] for s in strays} == {(16,)}
+    else:
+        assert strays == []
+    devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+    repaired = model().to("cuda:1")
+    assert check_devices(repaired) == []
+    assert repaired[0].quant_state is repaired[0].weight.quant_state
+
+
+# -- bnb-params4bit-to-drops-bnb_quantized -----------------------------------------------------------
+@SIM
+def test_without_the_shim_a_second_move_requantizes_where_the_matrix_says(no_shim):
+    param = params4bit(weight(), "cuda:0")
+    param = param.to("cuda:1")
+    if FLAG_BUG_HERE:
+        assert param.bnb_quantized is False
+        with pytest.raises((ValueError, RuntimeError), match="uint8|16/32-bit"):
+            param.to("cuda:0")
+    else:
+        assert param.bnb_quantized is True
+        assert param.to("cuda:0").dtype == torch.uint8
+
+
+@SIM
+def test_with_the_shim_moves_keep_bnb_quantized_and_the_bits(shim):
+    param = params4bit(weight(), "cuda:0", compress_statistics=True)
+    packed = param.data.cpu().clone()
+    reference = state_values(param.quant_state)
+    for device in ("cuda:1", "cuda:0", "cpu", "cuda:1", torch.device("cuda", 0)):
+        param = param.to(device)
+        assert param.bnb_quantized is True
+        assert param.dtype == torch.uint8 and torch.equal(param.data.cpu(), packed)
+        assert set(state_devices(param).values()) == {str(param.device)}
+        assert_same_state(param.quant_state, reference)
+    assert str(param.device) == "cuda:0"
+
+
+@SIM
+def test_a_parameter_from_an_unrepaired_move_is_not_quantized_again(no_shim):
+    param = params4bit(weight(), "cuda:0").to("cuda:1")  # bnb_quantized may be False here
+    packed = param.data.cpu().clone()
+    devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+    again = param.to("cuda:0")
+    assert again.bnb_quantized is True and torch.equal(again.data.cpu(), packed)
+
+
+@SIM
+def test_module_round_trips_and_dtype_moves_keep_state_consistent_and_weights_identical(shim):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        linear4bit(torch.nn.Linear(128, 64), "cuda:0", compress_statistics=True),
+        torch.nn.LayerNorm(64).to("cuda:0"),
+    )
+    layer = model[0]
+    packed = layer.weight.data.cpu().clone()
+    reference = state_values(layer.weight.quant_state)
+    moves = ["cuda:1", "cuda:0", "cpu", "cuda:1", torch.float16, "cuda:0"]
+    for move in moves:
+        model.to(move)
+        assert check_devices(model) == [], move
+        assert layer.weight.dtype == torch.uint8 and torch.equal(layer.weight.data.cpu(), packed), move
+        assert layer.weight.bnb_quantized is True
+        assert_same_state(layer.weight.quant_state, reference)
+    assert model[1].weight.dtype == torch.float16  # the dtype move reached the unquantized module
+
+
+# -- pass-through -----------------------------------------------------------------------------------
+def _same_tensor(a, b):
+    return type(a) is type(b) and a.dtype == b.dtype and a.device == b.device and torch.equal(a.cpu(), b.cpu())
+
+
+def test_a_params4bit_without_quant_state_passes_through(no_shim):
+    data = weight(8, 8)
+    expected = [Params4bit(data.clone(), quant_type="nf4").to(move) for move in ("cpu", torch.float16, "meta")]
+    devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+    got = [Params4bit(data.clone(), quant_type="nf4").to(move) for move in ("cpu", torch.float16, "meta")]
+    for a, b in zip(got, expected):  # bitsandbytes >= 0.46 quantizes on .to("cpu"); older ones do not
+        assert type(a) is type(b) and a.dtype == b.dtype and a.device == b.device
+        assert a.bnb_quantized == b.bnb_quantized and (a.quant_state is None) == (b.quant_state is None)
+        if a.device.type != "meta":
+            assert torch.equal(a.data, b.data)
+
+
+def test_int8params_passes_through(shim):
+    assert not hasattr(vars(Int8Params)["to"], "__wrapped__")
+    int8 = Int8Params(weight(8, 8), requires_grad=False, has_fp16_weights=True)
+    moved = int8.to(torch.float16)
+    assert type(moved) is Int8Params and moved.dtype == torch.float16
+    assert torch.equal(moved, weight(8, 8).half())
+
+
+def test_a_model_without_bitsandbytes_layers_moves_exactly_as_without_the_shim(no_shim, caplog):
+    def run():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        model.to(torch.float64).to("cpu")
+        return model.state_dict()
+
+    expected = run()
+    devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+    with caplog.at_level(logging.DEBUG, logger="devmap_shims.hooks"):
+        got = run()
+    assert expected.keys() == got.keys()
+    assert all(_same_tensor(got[k], expected[k]) for k in expected)
+    assert caplog.records == []
+
+
+# -- torch.compile, pickle, deepcopy ------------------------------------------------------------------
+def _move_to_meta(param):
+    moved = param.to("meta")
+    return moved.device, moved.quant_state.code.device, moved.quant_state.absmax.device, moved.bnb_quantized
+
+
+def _quant_state_to_meta(param):
+    param.quant_state.to("meta")
+    return param.quant_state.code.device, param.quant_state.absmax.device
+
+
+def _scaled_by_state(param, x):
+    moved = param.to("cpu")
+    return x * moved.quant_state.code.sum() + moved.quant_state.absmax.sum()
+
+
+@pytest.mark.parametrize("fn", [_move_to_meta, _quant_state_to_meta], ids=lambda f: f.__name__)
+def test_eager_equals_compiled_with_the_repair_applied(shim, fn):
+    torch._dynamo.reset()
+    eager = fn(params4bit(weight(), "cpu", compress_statistics=True))
+    compiled = torch.compile(fn, backend="eager")(params4bit(weight(), "cpu", compress_statistics=True))
+    assert compiled == eager
+    assert all(getattr(d, "type", "meta") == "meta" for d in eager if isinstance(d, torch.device))
+
+
+def test_eager_equals_compiled_for_tensor_math_after_a_move(shim):
+    torch._dynamo.reset()
+    x = torch.randn(5)
+    eager = _scaled_by_state(params4bit(weight(), "cpu"), x)
+    compiled = torch.compile(_scaled_by_state, backend="eager")(params4bit(weight(), "cpu"), x)
+    assert torch.equal(eager, compiled)
+
+
+def test_the_wrappers_are_plain_functions_not_proxies(shim):
+    for owner in (Params4bit, QuantState):
+        layer = vars(owner)["to"]
+        assert type(layer) is type(lambda: None), f"{owner.__name__}.to is a {type(layer).__name__}"
+        assert layer.__name__ == "to" and layer.__wrapped__ is not layer
+
+
+def _pickled(obj):
+    return pickle.loads(pickle.dumps(obj))
+
+
+def _describe(param):
+    """What a round trip keeps of a 4-bit parameter (torch pickles any Parameter subclass as a
+    Parameter carrying the subclass's attributes; deepcopy keeps the class)."""
+    state = param.__dict__.get("quant_state")
+    return (type(param).__name__, param.data.clone(), param.__dict__.get("bnb_quantized"), state_values(state))
+
+
+def _same_description(a, b):
+    return a[0] == b[0] and torch.equal(a[1], b[1]) and a[2] == b[2] and a[3].keys() == b[3].keys() and all(
+        torch.equal(a[3][k], b[3][k]) for k in a[3]
+    )
+
+
+def test_pickle_and_deepcopy_of_a_parameter_and_a_model_survive(no_shim):
+    def build():
+        torch.manual_seed(0)
+        param = params4bit(weight(), "cpu", compress_statistics=True)
+        model = torch.nn.Sequential(linear4bit(torch.nn.Linear(128, 64), "cpu", compress_statistics=True))
+        return param, model
+
+    param, model = build()
+    unpatched = [_describe(_pickled(param)), _describe(_pickled(model)[0].weight)]
+    devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+    param, model = build()
+    patched = [_describe(_pickled(param)), _describe(_pickled(model)[0].weight)]
+    assert all(_same_description(a, b) for a, b in zip(patched, unpatched))
+    copied = copy.deepcopy(param)
+    assert _same_description(_describe(copied), _describe(param)) and type(copied) is Params4bit
+    assert set(state_devices(copied.to("meta")).values()) == {"meta"}
+    clone = copy.deepcopy(model)
+    assert _same_description(_describe(clone[0].weight), _describe(model[0].weight))
+    moved = clone[0].weight.to("meta")
+    assert set(state_devices(moved).values()) == {"meta"} and moved.bnb_quantized
+    assert set(state_devices(model[0].weight).values()) == {"cpu"}  # the copy shares nothing
+    assert check_devices(model) == []
+    reloaded = subprocess.run(
+        [sys.executable, "-c", "import pickle, sys, bitsandbytes; m = pickle.load(sys.stdin.buffer); "
+         "print(type(m[0]).__name__, m[0].weight.quant_state.code.shape)"],
+        input=pickle.dumps(model),
+        capture_output=True,
+        check=True,
+    )
+    assert reloaded.stdout.decode().strip().splitlines()[-1] == "Linear4bit torch.Size([16])"
+
+
+# -- the wrappers themselves (no engine), and failing open --------------------------------------------
+@SIM
+def test_repair_functions_called_with_the_real_originals(no_shim):
+    param = params4bit(weight(), "cuda:0", compress_statistics=True)
+    original_qs_to = vars(QuantState)["to"]
+    hook.repair_quant_state_to(original_qs_to.__get__(param.quant_state), param.quant_state, ("cuda:1",), {})
+    assert set(state_devices(param).values()) == {"cuda:1"}
+    original_to = vars(Params4bit)["to"]
+    moved = hook.repair_params4bit_to(original_to.__get__(param), param, (), {"device": "cuda:0"})
+    assert moved.bnb_quantized is True and set(state_devices(moved).values()) == {"cuda:0"}
+    again = hook.repair_params4bit_to(original_to.__get__(moved), moved, ("cuda:1",), {})
+    assert again.bnb_quantized is True and str(again.device) == "cuda:1"
+
+
+@SIM
+def test_a_failing_repair_returns_the_original_result_and_warns_once(shim, monkeypatch, caplog):
+    def broken(state, device):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(hook, "align_state", broken)
+    with caplog.at_level(logging.WARNING, logger="devmap_shims"):
+        first = params4bit(weight(), "cuda:0").to("cuda:1")
+        second = params4bit(weight(), "cuda:0").to("cuda:1")
+    assert str(first.device) == "cuda:1" and str(second.device) == "cuda:1"
+    warnings = [r for r in caplog.records if hook.SHIM_ID in r.getMessage()]
+    assert len(warnings) == 1 and "boom" in warnings[0].getMessage()
+    assert shim_status()["state"] == "failed"

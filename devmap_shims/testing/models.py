@@ -410,6 +410,13 @@ def _flux_scheduler() -> Any:
     )
 
 
+def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``module.to(dtype)`` unless it is already float32 and float32 is asked for (diffusers warns on
+    every ``to(dtype)`` of a model that has no keep-in-fp32 modules)."""
+    current = {p.dtype for p in module.parameters()}
+    return module if current == {dtype} else module.to(dtype)
+
+
 def flux_unavailable() -> str | None:
     """Why the tiny Flux pipeline cannot be built with the installed libraries, or ``None`` if it can."""
     try:
@@ -449,7 +456,7 @@ def tiny_flux_transformer(
     with _seeded(component_seed):
         module = _tiny_flux_transformer(guidance_embeds)
     _reinit_weights(module, component_seed, embedding_std=1.0)
-    return module.to(dtype).eval()
+    return _cast(module, dtype).eval()
 
 
 def tiny_flux_pipeline(
@@ -481,7 +488,7 @@ def tiny_flux_pipeline(
         with _seeded(component_seed):
             module = build()
         _reinit_weights(module, component_seed, embedding_std=1.0)
-        parts[name] = module.to(dtype).eval()
+        parts[name] = _cast(module, dtype).eval()
     return FluxPipeline(
         scheduler=_flux_scheduler(), tokenizer=tokenizer, tokenizer_2=tokenizer_2, **parts
     )

@@ -191,6 +191,7 @@ def test_flux_components_are_tiny_and_wired(flux_pipe):
 def test_flux_transformer_alone_has_the_pipeline_weights(flux_pipe):
     assert _state_equal(tiny_flux_transformer(), flux_pipe.transformer)
     assert not _state_equal(tiny_flux_transformer(seed=1), flux_pipe.transformer)
+    assert {p.dtype for p in tiny_flux_transformer(dtype=torch.bfloat16).parameters()} == {torch.bfloat16}
 
 
 def test_flux_tokenizers_are_local_and_round_trip(flux_pipe):

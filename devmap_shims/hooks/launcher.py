@@ -137,20 +137,14 @@ def sharding_message(model: Any, where: str) -> Optional[str]:
     rank, world, local = launch
     local_text = str(local) if local is not None else "local_rank"
     return (
-        f"[{SHIM_ID}] {where}: rank {rank} of {world} processes holds a model sharded over "
-        f"{', '.join(gpus)} (device_map={_map_kind(model)}), and every other rank of this launch "
-        "(torchrun / accelerate launch / a distributed trainer) shards its own copy over the same GPUs. "
-        f"generate() in this configuration can hang or return nothing ({BUG_ID}, "
-        "huggingface/accelerate#3434). Fix: either run a single process (python script.py, no launcher) "
-        "so that one copy is sharded over all GPUs, or keep the launcher and load one full copy per "
-        f"process with device_map={{'': {local_text}}} (the LOCAL_RANK of each process). "
-        "Set DEVMAP_SHIMS_STRICT=1 to make this an error."
+        f"[{SHIM_ID}] {where}: process {rank} of {world} (torchrun / accelerate launch / a distributed "
+        f"trainer) holds a model sharded over {', '.join(gpus)}, and the other processes of this launch, "
+        "running the same code, shard their own copies over the same GPUs. generate() in this "
+        f"configuration can hang or return nothing ({BUG_ID}, huggingface/accelerate#3434). Fix: either "
+        "run a single process (python script.py, no launcher) so that one copy is sharded over all GPUs, "
+        f"or keep the launcher and load one full copy per process with device_map={{'': {local_text}}} "
+        "(each process's LOCAL_RANK). Set DEVMAP_SHIMS_STRICT=1 to make this an error."
     )
-
-
-def _map_kind(model: Any) -> str:
-    device_map = getattr(model, "hf_device_map", None) or {}
-    return f"{len(device_map)} entries" if len(device_map) > 1 else repr(device_map)
 
 
 def check(model: Any, where: str) -> None:

@@ -1,0 +1,202 @@
+"""launcher-sharding-guard: one warning (strict: an error) when every rank of a launch shards a model.
+
+The detection is unit-tested on environment variables and device maps; the whole path runs under
+``torchrun --nproc_per_node=2`` on the CPU (gloo), each rank on its own simulated 2-GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import devmap_shims
+from devmap_shims.hooks import launcher as hook
+from devmap_shims.shims.registry import REGISTRY, ShimError
+
+
+class _Model:
+    def __init__(self, device_map):
+        if device_map is not None:
+            self.hf_device_map = device_map
+
+
+@pytest.fixture
+def launch(monkeypatch):
+    """This process looks like rank 1 of a 2-process torchrun launch."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    hook.reset()
+    yield
+    hook.reset()
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    monkeypatch.setattr(REGISTRY, "warnings", [])
+    monkeypatch.setattr(REGISTRY, "strict", False)
+    yield REGISTRY
+
+
+@pytest.mark.parametrize(
+    "device_map",
+    [
+        {"model": 0, "lm_head": 1},
+        {"model": "cuda:0", "lm_head": "cuda:1"},
+        {"a": 0, "b": "cpu", "c": 1, "d": "disk"},
+    ],
+)
+def test_sharded_model_under_a_launch_names_cause_and_fixes(launch, device_map):
+    message = hook.sharding_message(_Model(device_map), "Qwen2ForCausalLM.from_pretrained")
+    assert message is not None
+    assert "process 1 of 2" in message and "cuda:0, cuda:1" in message
+    assert "device_map={'': 1}" in message  # this process's LOCAL_RANK
+    assert hook.BUG_ID in message and "huggingface/accelerate#3434" in message
+    assert "single process" in message and "DEVMAP_SHIMS_STRICT=1" in message
+
+
+@pytest.mark.parametrize(
+    "device_map",
+    [None, {"": 1}, {"model": 0, "lm_head": 0}, {"model": 0, "lm_head": "cpu"}, {"": "cpu"}, {}],
+)
+def test_one_gpu_per_process_is_fine(launch, device_map):
+    assert hook.sharding_message(_Model(device_map), "x") is None
+
+
+@pytest.mark.parametrize("world", [None, "1", "not-a-number"])
+def test_a_single_process_is_fine(monkeypatch, world):
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    assert hook.sharding_message(_Model({"model": 0, "lm_head": 1}), "x") is None
+
+
+def test_warns_once_per_process(launch, fresh_registry):
+    sharded = _Model({"model": 0, "lm_head": 1})
+    hook.check(sharded, "first")
+    hook.check(sharded, "second")
+    assert len(fresh_registry.warnings) == 1 and "first" in fresh_registry.warnings[0]
+
+
+def test_strict_mode_raises(launch, fresh_registry):
+    fresh_registry.strict = True
+    with pytest.raises(ShimError, match="process 1 of 2"):
+        hook.check(_Model({"model": 0, "lm_head": 1}), "from_pretrained")
+
+
+def test_wrappers_return_the_originals_results_untouched(launch, fresh_registry):
+    one_gpu = _Model({"": 1})
+    result = (one_gpu, {"missing_keys": []})  # from_pretrained(..., output_loading_info=True)
+    assert hook.check_after_from_pretrained(lambda *a, **k: result, None, ("path",), {}) is result
+    marker = object()
+    assert hook.check_before_generate(lambda *a, **k: marker, one_gpu, (), {}) is marker
+    assert fresh_registry.warnings == []
+    sharded = _Model({"model": 0, "lm_head": 1})
+    assert hook.check_after_from_pretrained(lambda *a, **k: (sharded, {}), None, ("path",), {})[0] is sharded
+    assert len(fresh_registry.warnings) == 1
+
+
+def test_hook_targets_exist_on_this_stack():
+    pytest.importorskip("transformers")
+    from transformers.generation.utils import GenerationMixin
+    from transformers.modeling_utils import PreTrainedModel
+
+    assert "_prepare_generation_config" in vars(GenerationMixin)
+    assert "from_pretrained" in vars(PreTrainedModel)
+
+
+# -- the real thing: torchrun, two ranks, each sharding a model over its two simulated GPUs -------------
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    import devmap_shims
+    from devmap_shims.hooks import launcher
+    from devmap_shims.testing import simulated_gpus
+    from devmap_shims.testing.models import PAD_ID, sample_input_ids
+    from transformers import AutoModelForCausalLM
+
+    def guard_warnings():
+        return [w for w in devmap_shims.status()["warnings"] if "launcher-sharding-guard" in w]
+
+    dist.init_process_group("gloo")
+    rank, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
+    report = {"rank": rank, "installed": devmap_shims.is_installed()}
+    with simulated_gpus(2, memory="2GiB"), torch.no_grad():
+        one = AutoModelForCausalLM.from_pretrained(sys.argv[1], device_map={"": local})
+        report["one_copy"] = [sorted({str(p.device) for p in one.parameters()}), guard_warnings()]
+        sharded = AutoModelForCausalLM.from_pretrained(sys.argv[1], device_map="auto")
+        report["sharded"] = [sorted({str(p.device) for p in sharded.parameters()}), guard_warnings()]
+        launcher.reset()  # forget the warning, to see the one given when generate starts
+        ids = sample_input_ids().to("cuda:0")
+        out = sharded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                               pad_token_id=PAD_ID)
+        sharded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                         pad_token_id=PAD_ID)
+        report["generate"] = [list(out.shape), guard_warnings()]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, report)
+    if rank == 0:
+        print("REPORT " + json.dumps(gathered))
+    dist.destroy_process_group()
+    """
+)
+
+
+def _torchrun(tmp_path, checkpoint, **env_extra):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
+    env.update(DEVMAP_SHIMS="1", DEVMAP_SHIMS_FORCE=hook.SHIM_ID, OMP_NUM_THREADS="1", **env_extra)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+         str(checkpoint)],
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path,
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    if torch.version.cuda is None:  # pragma: no cover
+        pytest.skip("the GPU simulator needs a CUDA build of torch")
+    from devmap_shims.testing.models import save_tiny_causal_lm
+
+    return save_tiny_causal_lm("qwen2", tmp_path_factory.mktemp("launch") / "qwen2", tie_word_embeddings=False)
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_that_shard_get_one_warning_at_load_and_at_generate(tmp_path, checkpoint):
+    proc = _torchrun(tmp_path, checkpoint)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("REPORT "))
+    reports = json.loads(line[len("REPORT "):])
+    assert [r["rank"] for r in reports] == [0, 1]
+    for r in reports:
+        assert r["installed"]
+        devices, warned = r["one_copy"]
+        assert devices == [f"cuda:{r['rank']}"] and warned == []  # device_map={"": local_rank} is the fix
+        devices, warned = r["sharded"]
+        assert devices == ["cuda:0", "cuda:1"]
+        assert len(warned) == 1 and f"process {r['rank']} of 2" in warned[0] and "from_pretrained" in warned[0]
+        shape, warned = r["generate"]
+        assert shape[-1] == 8 + 3
+        assert len(warned) == 2 and ".generate" in warned[1]  # once more after reset, not per call
+
+
+@pytest.mark.slow
+def test_torchrun_strict_mode_raises_instead(tmp_path, checkpoint):
+    proc = _torchrun(tmp_path, checkpoint, DEVMAP_SHIMS_STRICT="1")
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "ShimError" in output and "launcher-sharding-guard" in output and "device_map={'': " in output
+    assert "REPORT " not in proc.stdout

@@ -29,7 +29,8 @@ def _install_stack(session: nox.Session, stack: str) -> None:
 
 
 def _pytest(session: nox.Session, stack: str, *paths: str) -> None:
-    env = {"DEVMAP_STACK": stack, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # tiny models run 10-30x faster single-threaded on a busy 2-core machine
+    env = {"DEVMAP_STACK": stack, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     session.run("python", "-m", "pytest", *(session.posargs or paths), env=env)
 
 

@@ -138,8 +138,8 @@ def test_all_affected_entries_must_hold(matrix: Matrix) -> None:
     assert not ok and "transformers 4.45.1 is outside" in why
     ok, why = row.applicability({"accelerate": "0.19.0", "transformers": "4.40.0"})
     assert not ok and "accelerate 0.19.0" in why
-    # a 4.41 dev build carries the 4.41 code: outside <4.41.0
-    assert not row.applies({"accelerate": "0.29.3", "transformers": "4.41.0.dev0"})
+    # a dev build of the fixed release carries the fix: outside <4.42.0
+    assert not row.applies({"accelerate": "0.29.3", "transformers": "4.42.0.dev0"})
 
 
 def test_any_version_requirement_needs_the_distribution_installed(matrix: Matrix) -> None:

@@ -313,9 +313,6 @@ class _OriginalCall:
             raise
         return self.result
 
-    def __getattr__(self, name: str) -> Any:  # __self__, __name__ ... of the original
-        return getattr(self.wrapped, name)
-
 
 # -- selection ------------------------------------------------------------------------------------
 def select(

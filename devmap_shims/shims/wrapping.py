@@ -100,13 +100,14 @@ def make_plain(raw: Any, guarded: GuardedCall, owner: Any) -> Any:
 
         @functools.wraps(func)
         def plain_classmethod(cls: Any, *args: Any, **kwargs: Any) -> Any:
-            return guarded(func.__get__(cls, type(cls)), cls, args, kwargs)
+            return guarded(functools.partial(func, cls), cls, args, kwargs)
 
         return classmethod(plain_classmethod)
 
+    # functools.partial rather than func.__get__: Dynamo (torch 2.6) cannot trace descriptor calls
     @functools.wraps(func)
     def plain_method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return guarded(func.__get__(self, type(self)), self, args, kwargs)
+        return guarded(functools.partial(func, self), self, args, kwargs)
 
     return plain_method
 

@@ -86,10 +86,13 @@ def _normalize(device: Any, torch: Any) -> Any:
 
 
 def _home_device(model: Any, torch: Any) -> Any:
-    """The device holding most of ``model``'s elements (ties: the first met)."""
+    """The device holding most of ``model``'s elements (ties: the first met); meta tensors hold no
+    data and do not count."""
     totals: Dict[Any, int] = {}
     for tensor in list(model.parameters()) + list(model.buffers()):
-        totals[tensor.device] = totals.get(tensor.device, 0) + tensor.numel()
+        device = tensor.device
+        if device.type != "meta":
+            totals[device] = totals.get(device, 0) + tensor.numel()
     if not totals:
         return None
     return max(totals.items(), key=lambda item: item[1])[0]
@@ -173,10 +176,10 @@ def _check_attached(name: str, param: Any, device: Any, torch: Any) -> List[Reco
     if state is not None:
         for _owner, _attr, sub, tensor in state_tensors(state):
             if tensor.device != device:
-                records.append(_record(f"{name}.quant_state.{sub}", "quant_state", tensor, device))
+                records.append(_record(_join(name, f"quant_state.{sub}"), "quant_state", tensor, device))
     for attr, value in namespace.items():
         if isinstance(value, torch.Tensor) and value.device != device:
-            records.append(_record(f"{name}.{attr}", "attached", value, device))
+            records.append(_record(_join(name, attr), "attached", value, device))
     return records
 
 

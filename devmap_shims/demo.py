@@ -69,8 +69,36 @@ def _verdict(applies: bool, without: Any, with_shims: Any) -> str:
     return "ok (not affected)" if ok else "UNEXPECTED FAILURE"
 
 
+def _quiet_libraries() -> None:
+    """Progress bars and library warnings would drown the table."""
+    import logging
+    import os
+
+    for name, value in (
+        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+        ("TRANSFORMERS_VERBOSITY", "error"),
+        ("DIFFUSERS_VERBOSITY", "error"),
+        ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"),
+        ("HF_HUB_OFFLINE", "1"),
+    ):
+        os.environ.setdefault(name, value)
+    for name in ("transformers", "diffusers", "accelerate", "bitsandbytes", "huggingface_hub", "torch"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    try:  # tiny models: one thread is faster than contending for two cores
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+
+
 def run(args: argparse.Namespace) -> int:
     from devmap_shims.cli import UsageError
+
+    _quiet_libraries()
 
     def progress(message: str) -> None:
         if not args.json:

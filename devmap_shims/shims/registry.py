@@ -313,6 +313,13 @@ class _OriginalCall:
             raise
         return self.result
 
+    def __getattr__(self, name: str) -> Any:
+        # Look like the original to the repair (inspect.signature, __wrapped__, __self__ ...).
+        # Own slots are never delegated: tracers such as Dynamo probe them before __init__ ran.
+        if name in _OriginalCall.__slots__:
+            raise AttributeError(name)
+        return getattr(self.wrapped, name)
+
 
 # -- selection ------------------------------------------------------------------------------------
 def select(

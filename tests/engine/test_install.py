@@ -292,3 +292,19 @@ def test_env_disable_and_force(fake_stack, monkeypatch):
     monkeypatch.setenv("DEVMAP_SHIMS_DISABLE", "*")
     devmap_shims.install()
     assert fakelib.core.compute(3) == 6
+
+
+def test_repair_sees_the_original_through_wrapped(fake_stack):
+    """Repairs bind arguments by name: inspect.signature(wrapped) must be the original's."""
+    seen = []
+
+    def introspect(wrapped, instance, args, kwargs):
+        seen.append(list(inspect.signature(wrapped).parameters))
+        return wrapped(*args, **kwargs)
+
+    register_fake(wrapper=introspect)
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    assert fakelib.core.compute(3) == 6
+    assert seen == [["x", "scale"]]

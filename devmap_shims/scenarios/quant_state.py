@@ -35,7 +35,10 @@ def _prepare_flux() -> Any:
     and model classes (imported lazily by diffusers and transformers, and some of them probe the
     machine on import), the pre-quantized checkpoint and the CPU pipeline it goes into."""
     _import_before_simulation("bitsandbytes", "diffusers", "transformers")
-    from diffusers import FluxPipeline, FluxTransformer2DModel  # noqa: F401
+    try:
+        from diffusers import FluxPipeline, FluxTransformer2DModel  # noqa: F401
+    except ImportError as exc:  # diffusers < 0.30
+        raise ScenarioUnavailable(f"this diffusers has no Flux pipeline ({exc})") from exc
 
     from devmap_shims.testing.models import tiny_flux_pipeline
 

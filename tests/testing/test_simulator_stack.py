@@ -50,6 +50,9 @@ def cpu_tokens(tiny_llama_dir, prompt):
     return out
 
 
+ACCELERATE_SKIPS_SMALL_GPU0 = tuple(int(x) for x in accelerate.__version__.split(".")[:2]) < (0, 30)
+OLD_TRANSFORMERS = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (4, 45)
+
 SPLIT = {
     "model.embed_tokens": 0,
     "model.layers.0": 0,
@@ -63,7 +66,9 @@ SPLIT = {
 def test_dispatch_model_over_two_gpus_generates_the_cpu_tokens(tiny_llama_dir, prompt, cpu_tokens):
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
     with simulated_gpus(2) as m:
-        model = accelerate.dispatch_model(model, device_map=SPLIT)
+        # skip_keys as from_pretrained passes it: without it transformers < 4.42 drags the KV cache
+        # to cuda:0 (matrix row dispatch-without-skip-keys-moves-kv-cache), which is not this test's point
+        model = accelerate.dispatch_model(model, device_map=SPLIT, skip_keys=model._skip_keys_device_placement)
         assert model.model.layers[0].self_attn.q_proj.weight.device == torch.device("cuda:0")
         assert model.lm_head.weight.device == torch.device("cuda:1")
         assert m.allocated(0) > 0 and m.allocated(1) > 0
@@ -80,8 +85,13 @@ def test_from_pretrained_device_map_auto_spreads_and_generates(tiny_llama_dir, p
             tiny_llama_dir, device_map="auto", max_memory=budget
         )
         devices = {p.device for p in model.parameters()}
-        assert devices == {torch.device("cuda:0"), torch.device("cuda:1")}, devices
-        assert 0 < m.allocated(0) <= 400 * 1024 and m.allocated(1) > 0
+        if ACCELERATE_SKIPS_SMALL_GPU0:
+            # accelerate 0.29 reserves room on GPU 0 for the largest layer first and skips it here
+            assert devices == {torch.device("cuda:1")}, devices
+        else:
+            assert devices == {torch.device("cuda:0"), torch.device("cuda:1")}, devices
+            assert 0 < m.allocated(0) <= 400 * 1024
+        assert m.allocated(1) > 0
         out = model.generate(prompt.to(model.device), **GEN)
         assert torch.equal(real_cpu_tensor(out), cpu_tokens)
 
@@ -91,7 +101,9 @@ def test_from_pretrained_onto_one_gpu(tiny_llama_dir):
         model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, device_map="cuda:1")
         assert {p.device for p in model.parameters()} == {torch.device("cuda:1")}
         n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        assert m.allocated(0) == 0 and n_bytes <= m.allocated(1) < n_bytes + 64 * 512
+        # transformers 4.40 keeps a second copy of the weights alive while loading onto the device
+        slack = 2 * n_bytes if OLD_TRANSFORMERS else 64 * 512
+        assert m.allocated(0) == 0 and n_bytes <= m.allocated(1) < n_bytes + slack
 
 
 def test_everything_on_one_small_gpu_is_a_real_oom(tiny_llama_dir):
@@ -108,8 +120,12 @@ def test_get_max_memory_reports_the_simulated_capacities():
 
     with simulated_gpus(3, memory=["1GiB", "2GiB", "3GiB"]) as m:
         mm = get_max_memory()
-        # accelerate probes each GPU with torch.tensor([0], device=i) (one 512-byte block) before asking
-        assert [mm[i] for i in range(3)] == [m.capacity(i) - 512 for i in range(3)]
+        # accelerate probes each GPU with torch.tensor([0], device=i) (one 512-byte block) first;
+        # 0.29 keeps only the last probe alive while it asks, later versions every one
+        if ACCELERATE_SKIPS_SMALL_GPU0:
+            assert [mm[i] for i in range(3)] == [m.capacity(0), m.capacity(1), m.capacity(2) - 512]
+        else:
+            assert [mm[i] for i in range(3)] == [m.capacity(i) - 512 for i in range(3)]
         assert mm[2] == 3 * 2**30 - 512 and "cpu" in mm
         assert get_max_memory({0: "100MB", 1: "1GiB"}) == {0: 10**8, 1: 2**30}
 

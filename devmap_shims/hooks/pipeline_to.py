@@ -84,14 +84,28 @@ def sweep_module(module: Any) -> int:
     """Move every quant-state tensor of ``module`` onto its parameter's device; returns how many moved.
 
     Parameters on ``meta`` are skipped (their data lives elsewhere, e.g. offloaded by accelerate).
+    The walk reads ``_modules`` / ``_parameters`` directly instead of ``named_modules()``, and
+    checks the QuantState layout of the affected bitsandbytes releases: the sweep runs after every
+    move of a pipeline whose transformer has hundreds of 4-bit layers.
     """
-    from devmap_shims.hooks.quant_state import align_state
+    from devmap_shims.hooks.quant_state import align_known_state
 
     moved = 0
-    for sub in module.modules():
-        weight_state = None
-        weight_device = None
-        for name, param in sub._parameters.items():
+    stack = [module]
+    seen = set()
+    while stack:
+        sub = stack.pop()
+        if id(sub) in seen:
+            continue
+        seen.add(id(sub))
+        children = sub._modules
+        if children:
+            stack.extend(child for child in children.values() if child is not None)
+        params = sub._parameters
+        if not params:
+            continue
+        weight_state = weight_device = None
+        for name, param in params.items():
             if param is None:
                 continue
             namespace = getattr(param, "__dict__", None)
@@ -102,7 +116,7 @@ def sweep_module(module: Any) -> int:
             if name == "weight":
                 weight_state, weight_device = state, device
             if device.type != "meta":
-                moved += align_state(state, device)
+                moved += align_known_state(state, device)
         module_state = sub.__dict__.get("quant_state")
         if (
             module_state is not None
@@ -110,7 +124,7 @@ def sweep_module(module: Any) -> int:
             and weight_device is not None
             and weight_device.type != "meta"
         ):
-            moved += align_state(module_state, weight_device)
+            moved += align_known_state(module_state, weight_device)
     return moved
 
 

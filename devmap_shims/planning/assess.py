@@ -116,13 +116,16 @@ def lower_bound(layout: Layout, budgets: Mapping[Any, float], low_zero: bool = F
 
 def unavoidable_offload(layout: Layout, budgets: Mapping[Any, float], reserve: int) -> int:
     """Bytes that cannot stay on the GPUs in any contiguous placement, when GPU 0 keeps
-    ``reserve`` bytes free for streaming offloaded blocks back in (as accelerate does)."""
+    ``reserve`` bytes free for streaming offloaded blocks back in (as accelerate does). 0 when
+    the whole model fits on the GPUs: then nothing is streamed and no reserve is needed."""
     gpus = gpu_ids(budgets)
     if not gpus:
         return layout.total
     caps = [int(budgets[g]) for g in gpus]
-    caps[0] = max(0, caps[0] - reserve)
     sizes = [u.size for u in layout.placed]
+    if greedy_prefix(sizes, caps) == len(sizes):
+        return 0
+    caps[0] = max(0, caps[0] - reserve)
     k = greedy_prefix(sizes, caps)
     return sum(sizes[k:])
 
@@ -171,7 +174,8 @@ def assess(
     skipped: List[int] = []
     first_unit_on: Dict[Any, int] = {}
     for u, d in sequence:
-        first_unit_on.setdefault(d, u.size)
+        if u.size:  # a module without bytes (Dropout, a deduplicated tied weight) opens nothing
+            first_unit_on.setdefault(d, u.size)
     for i, g in enumerate(gpus):
         if loads[g] > 0 or (low_zero and g == gpus[0] and len(gpus) > 1):
             continue

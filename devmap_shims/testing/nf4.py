@@ -178,7 +178,17 @@ def params4bit(
     from bitsandbytes.nn import Params4bit
 
     packed, stats = prequantized_stats(weight, **kwargs)
-    return Params4bit.from_prequantized(packed, stats, requires_grad=False, device=device, module=module)
+    try:
+        param = Params4bit.from_prequantized(packed, stats, requires_grad=False, device=device, module=module)
+    except TypeError:  # bitsandbytes < 0.44 has no ``module`` argument
+        param = Params4bit.from_prequantized(packed, stats, requires_grad=False, device=device)
+    # bitsandbytes < 0.44 leaves these unset (and copy.deepcopy then fails); later releases set them
+    namespace = param.__dict__
+    namespace.setdefault("quant_storage", packed.dtype)
+    namespace.setdefault("module", module)
+    if module is not None:
+        module.quant_state = param.quant_state
+    return param
 
 
 def linear4bit(

@@ -17,7 +17,10 @@ bnb = pytest.importorskip("bitsandbytes")  # imported before any simulation star
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from diffusers import FluxPipeline, FluxTransformer2DModel  # noqa: E402
+try:
+    from diffusers import BitsAndBytesConfig, FluxPipeline, FluxTransformer2DModel  # noqa: E402, F401
+except ImportError:  # diffusers < 0.31: no Flux, no bitsandbytes-quantized models
+    pytest.skip(f"diffusers {diffusers.__version__} has no Flux or bitsandbytes quantization", allow_module_level=True)
 from diffusers.models.modeling_utils import ModelMixin  # noqa: E402
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline  # noqa: E402
 

@@ -18,10 +18,11 @@ release adds) ends up where the weight is; the returned parameter keeps ``bnb_qu
 parameter that already carries a quant state is never quantized again. ``Params4bit.to`` also runs
 inside ``torch.compile``d code, so both targets get plain function replacements (research L10).
 
-``.cuda()`` goes through ``.to()`` on every affected release. ``.cpu()`` does not exist on
-``Params4bit`` before the fixed releases: ``module.cpu()`` moves only the packed data there and leaves
-the whole quant state on the GPU; use ``module.to("cpu")`` (or run
-:func:`devmap_shims.check_devices` to find such tensors).
+``.cuda()`` goes through ``.to()`` on every affected release. ``Params4bit`` has no ``.cpu()`` of
+its own in bitsandbytes 0.43.1, 0.44.1 and 0.45.2 (0.50.2 has one that calls ``.to()``), so there
+``module.cpu()`` moves only the packed data and leaves the whole quant state on the GPU; wrapping it
+would mean wrapping ``torch.Tensor.cpu`` for every tensor, so it is not done: use
+``module.to("cpu")``, or :func:`devmap_shims.check_devices` to find such tensors.
 """
 
 from __future__ import annotations

@@ -25,8 +25,10 @@ WORKER = textwrap.dedent(
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, report)
     if dist.get_rank() == 0:
-        print("REPORT " + json.dumps(gathered))
-    dist.destroy_process_group()
+        print("REPORT " + json.dumps(gathered), flush=True)
+    dist.barrier()
+    # torch 2.4's gloo teardown can hang at interpreter exit: leave without it
+    os._exit(0)
     """
 )
 

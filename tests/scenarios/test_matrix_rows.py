@@ -45,4 +45,7 @@ def test_scenario_without_and_with_shims(row, item):
     else:
         assert without.ok, f"{row.id} does not apply here yet the scenario failed: {without.detail}"
         assert with_shims.ok, with_shims.detail
-        assert not with_shims.shim_active, f"{row.shim} armed outside its range: {with_shims.shim_states}"
+        # the shim may rightly be armed for another row it fixes (dispatch-skip-keys on accelerate < 1.0)
+        versions = installed_versions(MATRIX.distributions())
+        if not any(other.applies(versions) for other in MATRIX.for_shim(row.shim)):
+            assert not with_shims.shim_active, f"{row.shim} armed outside its range: {with_shims.shim_states}"

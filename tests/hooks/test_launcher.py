@@ -115,7 +115,7 @@ def test_hook_targets_exist_on_this_stack():
 
 WORKER = textwrap.dedent(
     """
-    import json, os, sys
+    import datetime, json, os, sys
     import torch
     import torch.distributed as dist
     import devmap_shims
@@ -127,14 +127,22 @@ WORKER = textwrap.dedent(
     def guard_warnings():
         return [w for w in devmap_shims.status()["warnings"] if "launcher-sharding-guard" in w]
 
-    dist.init_process_group("gloo")
+    import torch._dynamo  # noqa: F401  (torch 2.4 cannot import it inside the simulation: simulated Event)
+
+    def phase(name):
+        print(f"rank {os.environ['RANK']}: {name}", file=sys.stderr, flush=True)
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
     rank, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
+    phase("process group up")
     report = {"rank": rank, "installed": devmap_shims.is_installed()}
     with simulated_gpus(2, memory="2GiB"), torch.no_grad():
         one = AutoModelForCausalLM.from_pretrained(sys.argv[1], device_map={"": local})
         report["one_copy"] = [sorted({str(p.device) for p in one.parameters()}), guard_warnings()]
+        phase("one copy loaded")
         sharded = AutoModelForCausalLM.from_pretrained(sys.argv[1], device_map="auto")
         report["sharded"] = [sorted({str(p.device) for p in sharded.parameters()}), guard_warnings()]
+        phase("sharded copy loaded")
         launcher.reset()  # forget the warning, to see the one given when generate starts
         ids = sample_input_ids().to("cuda:0")
         out = sharded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
@@ -142,11 +150,14 @@ WORKER = textwrap.dedent(
         sharded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                          pad_token_id=PAD_ID)
         report["generate"] = [list(out.shape), guard_warnings()]
+        phase("generated")
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, report)
     if rank == 0:
-        print("REPORT " + json.dumps(gathered))
-    dist.destroy_process_group()
+        print("REPORT " + json.dumps(gathered), flush=True)
+    dist.barrier()
+    # torch 2.4's gloo teardown (destroy_process_group, or interpreter exit) can hang: leave without it
+    os._exit(0)
     """
 )
 
@@ -156,11 +167,16 @@ def _torchrun(tmp_path, checkpoint, **env_extra):
     script.write_text(WORKER)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
     env.update(DEVMAP_SHIMS="1", DEVMAP_SHIMS_FORCE=hook.SHIM_ID, OMP_NUM_THREADS="1", **env_extra)
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-         str(checkpoint)],
-        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path,
-    )
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+             str(checkpoint)],
+            capture_output=True, text=True, env=env, timeout=480, cwd=tmp_path,
+        )
+    except subprocess.TimeoutExpired as exc:  # say where the ranks were
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        progress = [line for line in err.splitlines() if line.startswith("rank ")]
+        pytest.fail(f"torchrun did not finish in {exc.timeout}s; last progress: {progress[-4:]}\n{err[-2000:]}")
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,13 @@ as the storage itself lives).
 
 from __future__ import annotations
 
-import re
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+
+from devmap_shims.planning.sizes import TopologyError, parse_size
 
 from . import _sim_state
 
@@ -22,18 +23,6 @@ MemorySpec = Union[int, str]
 
 _BLOCK = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 
 # name -> (major, minor, multi_processor_count)
 _KNOWN_GPUS = {
@@ -65,13 +54,12 @@ def parse_memory(spec: MemorySpec) -> int:
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"memory must be a size such as '23GiB' or an int byte count, not {spec!r}")
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", spec)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
+    try:
+        value = parse_size(spec)  # the same units as `devmap-shims plan --gpus`
+    except TopologyError:
         raise ValueError(
             f"cannot read memory size {spec!r}: use a number with a unit such as '23GiB', '512MiB', '10GB'"
-        )
-    value = int(float(m.group(1)) * _UNITS[unit])
+        ) from None
     if value <= 0:
         raise ValueError(f"memory must be positive, got {spec!r}")
     return value

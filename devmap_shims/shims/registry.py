@@ -43,7 +43,7 @@ class ShimError(RuntimeError):
 class TargetEntry:
     __slots__ = (
         "shim_entry", "target", "state", "reason", "error", "owner", "name",
-        "original", "layer", "rebound", "enabled", "hook",
+        "original", "layer", "rebound", "enabled", "hook", "seq",
     )
 
     def __init__(self, shim_entry: ShimEntry, target: Target) -> None:
@@ -59,6 +59,7 @@ class TargetEntry:
         self.rebound: List[Tuple[str, str]] = []
         self.enabled = True
         self.hook: Optional[Callable[[Any], None]] = None
+        self.seq = 0  # arming order: layers come off last-on, first-off
 
     def as_dict(self) -> Dict[str, Any]:
         return {
@@ -97,6 +98,7 @@ class Registry:
         self.warnings: List[str] = []
         self.imported_before_install: List[str] = []
         self.killed = False
+        self.armed_count = 0
         self._matrix: Any = None
         self._versions: Optional[Dict[str, Optional[str]]] = None
 
@@ -212,7 +214,8 @@ def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
         entry.state, entry.reason = SKIPPED, f"target missing: {exc} (the library changed; shim not applied)"
         return
     existing = wrapping.owned_original(raw)
-    if existing is not None:  # a layer of ours left by an earlier install: keep the first original
+    live = any(t.layer is raw and t.state == ACTIVE for e in registry.shims.values() for t in e.targets)
+    if existing is not None and not live:  # a layer left by an earlier install: keep the first original
         raw = existing
     func = wrapping.callable_of(raw)
     if target.expect_params:
@@ -237,6 +240,8 @@ def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
     wrapping.remember(layer, raw)
     setattr(owner, name, layer)
     entry.owner, entry.name, entry.original, entry.layer = owner, name, raw, layer
+    registry.armed_count += 1
+    entry.seq = registry.armed_count
     if not isinstance(owner, type):
         entry.rebound = wrapping.rebind_aliases(raw, layer)
     entry.state = ACTIVE
@@ -261,8 +266,8 @@ def _guarded_call(registry: Registry, entry: TargetEntry, repair: Callable[..., 
                 if exc is call.raised:
                     raise
                 raise call.raised from None
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
+            if isinstance(exc, (KeyboardInterrupt, SystemExit, ShimError)):
+                raise  # ShimError: a repair refusing on purpose (strict mode), not a broken repair
             _repair_failed(registry, entry, exc)
             if call.called:
                 return call.result
@@ -392,24 +397,24 @@ def _hook_error(module_name: str, hook: Any, exc: BaseException) -> None:
 def unwatch_and_unwrap(registry: Registry) -> None:
     from devmap_shims.shims import wrapping
 
-    for entry in registry.shims.values():
-        for target_entry in entry.targets:
-            if target_entry.hook is not None:
-                importhook.cancel(target_entry.hook)
-            if target_entry.layer is None:
-                continue
-            outcome = wrapping.splice_out(
-                target_entry.owner, target_entry.name, target_entry.layer, target_entry.original
+    entries = [t for e in registry.shims.values() for t in e.targets]
+    for target_entry in sorted(entries, key=lambda t: -t.seq):  # two shims on one target: outer first
+        if target_entry.hook is not None:
+            importhook.cancel(target_entry.hook)
+        if target_entry.layer is None:
+            continue
+        outcome = wrapping.splice_out(
+            target_entry.owner, target_entry.name, target_entry.layer, target_entry.original
+        )
+        wrapping.restore_aliases(target_entry.rebound, target_entry.original, target_entry.layer)
+        if outcome == "buried":
+            target_entry.enabled = False  # stays in the call chain, does nothing
+            registry.warn(
+                f"{target_entry.target.key}: a foreign wrapper holds devmap_shims' layer inside a "
+                "closure; it was switched off instead of removed"
             )
-            wrapping.restore_aliases(target_entry.rebound, target_entry.original, target_entry.layer)
-            if outcome == "buried":
-                target_entry.enabled = False  # stays in the call chain, does nothing
-                registry.warn(
-                    f"{target_entry.target.key}: a foreign wrapper holds devmap_shims' layer inside a "
-                    "closure; it was switched off instead of removed"
-                )
-            else:
-                wrapping.forget(target_entry.layer)
+        else:
+            wrapping.forget(target_entry.layer)
 
 
 def imported_targets(registry: Registry) -> List[str]:

@@ -308,3 +308,31 @@ def test_repair_sees_the_original_through_wrapped(fake_stack):
 
     assert fakelib.core.compute(3) == 6
     assert seen == [["x", "scale"]]
+
+
+def test_two_shims_on_one_target_stack_and_come_off(fake_stack):
+    import fakelib.core
+
+    original = fakelib.core.compute
+    register_fake()
+    devmap_shims.register(Shim("times-ten", ("fake-bug",), (Target("fakelib.core", "compute"),), lambda w, i, a, k: w(*a, **k) * 10))
+    devmap_shims.install(only=["fake-fix", "times-ten"])
+    assert fakelib.core.compute(3) in (61, 70)  # both layers run, whichever is outside
+    assert {s["id"]: s["state"] for s in devmap_shims.status()["shims"] if s["id"] in ("fake-fix", "times-ten")} == {
+        "fake-fix": "active", "times-ten": "active"}
+    devmap_shims.uninstall()
+    assert fakelib.core.compute is original
+
+
+def test_shim_error_from_a_repair_passes_through_unchanged(fake_stack):
+    from devmap_shims.shims.registry import ShimError
+
+    def refuse(wrapped, instance, args, kwargs):
+        raise ShimError("refused on purpose")
+
+    register_fake(wrapper=refuse)
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    with pytest.raises(ShimError, match="^refused on purpose$"):
+        fakelib.core.compute(3)

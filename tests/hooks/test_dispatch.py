@@ -28,20 +28,6 @@ ACCELERATE_1 = Version(accelerate.__version__).release >= (1, 0)
 GPU_MEMORY = "2GiB"
 
 
-@pytest.fixture
-def shim():
-    devmap_shims.uninstall()
-    devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
-    yield
-    devmap_shims.uninstall()
-
-
-@pytest.fixture
-def no_shim():
-    devmap_shims.uninstall()
-    yield
-
-
 def _dispatch(*args, **kwargs):
     """accelerate's ``dispatch_model`` as the library's callers reach it (through the module)."""
     import accelerate.big_modeling as big_modeling

@@ -45,21 +45,6 @@ def reference(checkpoint):
     return greedy_generate(model, sample_input_ids(), max_new_tokens=NEW)
 
 
-@pytest.fixture
-def shim():
-    """The shim installed (forced: the row's range does not matter for behaviour tests)."""
-    devmap_shims.uninstall()
-    devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
-    yield
-    devmap_shims.uninstall()
-
-
-@pytest.fixture
-def no_shim():
-    devmap_shims.uninstall()
-    yield
-
-
 def _split_map() -> dict:
     """Embeddings and the first layer on cuda:0, the rest on cuda:1 (every module of this release)."""
     from transformers.models.qwen2 import modeling_qwen2

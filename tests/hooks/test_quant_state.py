@@ -61,22 +61,6 @@ def assert_same_state(state, reference):
         assert torch.equal(values[name], tensor), name
 
 
-@pytest.fixture
-def no_shim():
-    devmap_shims.uninstall()
-    yield
-    devmap_shims.uninstall()
-
-
-@pytest.fixture
-def shim():
-    """The shim forced on, so its repairs are exercised on every stack (fixed ones included)."""
-    devmap_shims.uninstall()
-    assert devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
-    yield
-    devmap_shims.uninstall()
-
-
 def shim_status():
     return next(s for s in devmap_shims.status()["shims"] if s["id"] == hook.SHIM_ID)
 

@@ -18,7 +18,6 @@ if torch.version.cuda is None:  # pragma: no cover - the simulator needs a CUDA 
 from accelerate import dispatch_model, init_empty_weights, load_checkpoint_and_dispatch  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
-import devmap_shims  # noqa: E402
 from devmap_shims.hooks import dispatch as hook  # noqa: E402
 from devmap_shims.scenarios import dispatch as scenario  # noqa: E402
 from devmap_shims.testing import simulated_gpus  # noqa: E402

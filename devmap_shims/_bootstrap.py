@@ -1,9 +1,11 @@
 """Auto-enable at interpreter start.
 
-``devmap_shims.pth`` (and, on Python 3.15+, ``devmap_shims.start``) in site-packages call
-:func:`run_from_startup` only when ``DEVMAP_SHIMS`` is set to something other than ``0``; with the
-variable unset the whole cost is one environment lookup. Nothing here may raise: a failing ``.pth``
-line would print a traceback in every Python process on the machine.
+``devmap_shims.pth`` in site-packages reads ``DEVMAP_SHIMS`` and, only when it is set to something
+other than ``0`` or the empty string, imports :mod:`devmap_shims._autostart`, which calls
+:func:`run_from_startup` (on Python 3.15+, ``devmap_shims.start`` names it directly). With the
+variable unset the whole cost is one environment lookup. The line is kept as short as it can be:
+``site`` compiles it at every interpreter start, twice in a 3.11 virtualenv. Nothing here may
+raise: a failing ``.pth`` line would print a traceback in every Python process on the machine.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ _warned = False
 
 
 def _warn_bad(value: str) -> None:
-    # Virtualenvs with a lib64 -> lib symlink make site.py read the same .pth twice: warn once.
+    # Once per process, whoever calls first (the .pth import, a .start entry, a test).
     global _warned
     if _warned:
         return

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 TARGETS = ("torch", "transformers", "accelerate", "bitsandbytes", "diffusers")
 
 
@@ -38,6 +40,14 @@ def test_auto_enable_through_pth():
 def test_unset_variable_installs_nothing():
     proc = run_python("import sys; print('devmap_shims' in sys.modules)")
     assert proc.stdout.strip() == "False"  # the .pth line costs one lookup and imports nothing
+
+
+@pytest.mark.parametrize("value", [None, "", "0"], ids=["unset", "empty", "zero"])
+def test_pth_line_imports_nothing_unless_enabled(value):
+    overrides = {} if value is None else {"DEVMAP_SHIMS": value}
+    proc = run_python("import sys; print(sorted(m for m in sys.modules if m.startswith('devmap_shims')))", **overrides)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
 
 
 def test_kill_switch_in_environment():

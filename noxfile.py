@@ -11,7 +11,6 @@ Virtualenvs are made with uv, whose cache keeps the multi-GB CUDA wheels of torc
 
 from __future__ import annotations
 
-import os
 
 import nox
 

@@ -61,7 +61,7 @@ def _matrix_rows(args: argparse.Namespace) -> List[Any]:
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
-    from devmap_shims.compat_matrix import Matrix, render_markdown, row_to_dict
+    from devmap_shims.compat_matrix import render_markdown, row_to_dict
 
     if args.markdown:
         # COMPAT.md documents the built-in rows only, whatever plugins this machine has.

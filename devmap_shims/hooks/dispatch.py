@@ -30,7 +30,7 @@ from devmap_shims.shims import Shim, Target
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing would cost install() its start-up budget
-    from typing import Any, Callable, Dict, List, Optional, Tuple
+    from typing import Any, Callable, Dict, List, Tuple
 
 SHIM_ID = "dispatch-skip-keys"
 BUG_IDS = ("dispatch-without-skip-keys-moves-kv-cache", "accelerate-skip-keys-not-propagated")

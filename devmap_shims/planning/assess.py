@@ -24,7 +24,7 @@ Anything else is ``ok``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping
 
 from devmap_shims.planning.layout import Layout
 from devmap_shims.planning.partition import greedy_prefix

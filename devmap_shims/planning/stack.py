@@ -147,7 +147,6 @@ def build_meta_model(config: Any, dtype: str = "bfloat16", quantization: str = "
 
 
 def _build_meta_model(config: Any, dtype: str, quantization: str) -> MetaModel:
-    import torch
     from transformers import AutoModelForCausalLM
 
     if quantization not in QUANTIZATIONS:

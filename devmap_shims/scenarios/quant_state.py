@@ -204,7 +204,7 @@ def flux_4bit_loaded_on_current_device_then_moved() -> str:
     needs=_FLUX_NEEDS,
 )
 def flux_4bit_loaded_with_one_gpu_device_map() -> str:
-    base = _prepare_flux()
+    _prepare_flux()
     import torch
 
     from devmap_shims.testing import simulated_gpus

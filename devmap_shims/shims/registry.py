@@ -253,7 +253,6 @@ def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
 
 def _guarded_call(registry: Registry, entry: TargetEntry, repair: Callable[..., Any]) -> Callable[..., Any]:
     """The call-time guard around a shim's repair (lesson: fail open, never swallow the library's errors)."""
-    shim_entry = entry.shim_entry
 
     def guarded(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if not entry.enabled or entry.state != ACTIVE:

@@ -7,9 +7,8 @@ driver. Streams and events are inert (work runs synchronously on the CPU).
 from __future__ import annotations
 
 import collections
-import contextlib
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 

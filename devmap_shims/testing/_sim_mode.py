@@ -11,7 +11,6 @@ does.
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -640,7 +639,7 @@ def _h_cuda(func, args, kwargs):
     else:
         target = parse_device(dev)
         if not isinstance(target, int):
-            raise RuntimeError(f"Invalid device, must be cuda device")
+            raise RuntimeError("Invalid device, must be cuda device")
     src = S.sim_index(self)
     if src == target:
         return self

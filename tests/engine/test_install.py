@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
-import sys
 
 import pytest
 import wrapt

@@ -15,7 +15,7 @@ accelerate = pytest.importorskip("accelerate")
 if torch.version.cuda is None:  # pragma: no cover - the simulator needs a CUDA build of torch
     pytest.skip("the GPU simulator needs a CUDA build of torch", allow_module_level=True)
 
-from accelerate import dispatch_model, init_empty_weights, load_checkpoint_and_dispatch  # noqa: E402
+from accelerate import init_empty_weights, load_checkpoint_and_dispatch  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
 from devmap_shims.hooks import dispatch as hook  # noqa: E402

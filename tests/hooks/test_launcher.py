@@ -14,7 +14,6 @@ import textwrap
 
 import pytest
 
-import devmap_shims
 from devmap_shims.hooks import launcher as hook
 from devmap_shims.shims.registry import REGISTRY, ShimError
 

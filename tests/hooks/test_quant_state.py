@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 bnb = pytest.importorskip("bitsandbytes")  # imported before any simulation starts (it probes CUDA)
 
 from bitsandbytes.functional import QuantState  # noqa: E402
-from bitsandbytes.nn import Int8Params, Linear4bit, Params4bit  # noqa: E402
+from bitsandbytes.nn import Int8Params, Params4bit  # noqa: E402
 
 import devmap_shims  # noqa: E402
 from devmap_shims.checks import check_devices  # noqa: E402

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import gc
 import re
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest

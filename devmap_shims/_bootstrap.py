@@ -1,11 +1,12 @@
 """Auto-enable at interpreter start.
 
-``devmap_shims.pth`` in site-packages reads ``DEVMAP_SHIMS`` and, only when it is set to something
-other than ``0`` or the empty string, imports :mod:`devmap_shims._autostart`, which calls
-:func:`run_from_startup` (on Python 3.15+, ``devmap_shims.start`` names it directly). With the
-variable unset the whole cost is one environment lookup. The line is kept as short as it can be:
-``site`` compiles it at every interpreter start, twice in a 3.11 virtualenv. Nothing here may
-raise: a failing ``.pth`` line would print a traceback in every Python process on the machine.
+``_devmap_shims_start.run`` (a small module at the root of site-packages, called by
+``devmap_shims.pth`` when ``DEVMAP_SHIMS`` is set, and by ``devmap_shims.start`` on Python 3.15+)
+calls :func:`run_from_startup` when the variable is set to something other than ``0`` or the
+empty string. With the variable unset the whole cost is one environment lookup; the ``.pth``
+line is kept as short as it can be because ``site`` compiles it at every interpreter start,
+twice in a virtualenv. Nothing here may raise: a failing ``.pth`` line would print a traceback
+in every Python process on the machine.
 """
 
 from __future__ import annotations

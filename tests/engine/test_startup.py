@@ -50,6 +50,18 @@ def test_pth_line_imports_nothing_unless_enabled(value):
     assert proc.stdout.strip() == "[]"
 
 
+def test_start_module_survives_a_missing_package(tmp_path):
+    """A half-removed install (the start module left, the package gone) prints one line, no traceback."""
+    startup = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "startup")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEVMAP_SHIMS", "PYTHONPATH"))}
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", f"import sys; sys.path.insert(0, {startup!r}); import _devmap_shims_start; print('ran')"],
+        capture_output=True, text=True, env=dict(env, DEVMAP_SHIMS="1"), cwd=tmp_path, timeout=60,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ran", proc.stderr
+    assert "devmap_shims cannot be imported" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_kill_switch_in_environment():
     proc = run_python("import devmap_shims; print(devmap_shims.install(), devmap_shims.is_installed())", DEVMAP_SHIMS="0")
     assert proc.stdout.split() == ["False", "False"]

@@ -1,0 +1,29 @@
+"""Interpreter start-up entry of devmap-shims, installed at the root of site-packages.
+
+Importing this module runs :func:`run`. ``devmap_shims.pth`` imports it only when
+``DEVMAP_SHIMS`` is set and not ``0`` (the shortest line ``site`` can compile at every start);
+Python 3.15+ (PEP 829) ignores that line because ``devmap_shims.start`` exists, and imports this
+module and calls :func:`run` at every start instead. Living outside the package, it costs one
+small import there, not an import of ``devmap_shims``; with the variable unset, empty or ``0``,
+:func:`run` returns after one environment lookup. A second call is a no-op.
+"""
+
+import os
+
+
+def run():
+    value = os.environ.get("DEVMAP_SHIMS", "0")
+    if value in ("", "0"):
+        return
+    try:
+        from devmap_shims._bootstrap import run_from_startup
+    except ImportError as exc:  # a half-removed install must not break every interpreter start
+        import sys
+
+        print(f"devmap_shims: DEVMAP_SHIMS={value!r} but devmap_shims cannot be imported ({exc}); "
+              "running without shims", file=sys.stderr)
+        return
+    run_from_startup()
+
+
+run()

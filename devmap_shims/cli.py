@@ -128,12 +128,16 @@ def _auto_enable_info() -> Dict[str, Any]:
 
     dirs = set(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
     dirs.add(sysconfig.get_paths()["purelib"])
-    pth = [os.path.join(d, "devmap_shims.pth") for d in sorted(dirs) if os.path.exists(os.path.join(d, "devmap_shims.pth"))]
+    def found(name: str) -> List[str]:
+        return [os.path.join(d, name) for d in sorted(dirs) if os.path.exists(os.path.join(d, name))]
+
+    pth, start = found("devmap_shims.pth"), found("_devmap_shims_start.py")
     value = os.environ.get("DEVMAP_SHIMS")
     return {
         "pth_files": pth,
+        "start_modules": start,  # what the .pth and the PEP 829 .start file call
         "DEVMAP_SHIMS": value,
-        "active": bool(pth) and (value or "").strip().lower() in ("1", "true", "yes", "on"),
+        "active": bool(pth) and bool(start) and (value or "").strip().lower() in ("1", "true", "yes", "on"),
     }
 
 
@@ -231,7 +235,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     auto = data["auto_enable"]
     print(
         f"\nAuto-enable: {'active' if auto['active'] else 'inactive'} "
-        f"(DEVMAP_SHIMS={auto['DEVMAP_SHIMS'] or 'unset'}; .pth {'present' if auto['pth_files'] else 'missing'})"
+        f"(DEVMAP_SHIMS={auto['DEVMAP_SHIMS'] or 'unset'}; .pth {'present' if auto['pth_files'] else 'missing'}; "
+        f"start module {'present' if auto['start_modules'] else 'missing: reinstall devmap-shims'})"
     )
     for warning in data["warnings"]:
         print(f"warning: {warning}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -64,6 +65,16 @@ def test_doctor_json(capsys):
     assert code == 0
     assert {"versions", "shims", "applicable_rows", "auto_enable", "warnings"} <= set(data)
     assert all(s["state"] in ("pending", "active", "skipped", "failed") for s in data["shims"])
+
+
+def test_doctor_reports_the_start_files(capsys, monkeypatch):
+    monkeypatch.setenv("DEVMAP_SHIMS", "1")
+    code, out, _ = run_cli(capsys, "doctor", "--json", "--no-import", "--no-devices")
+    auto = json.loads(out)["auto_enable"]
+    assert code == 0
+    assert [os.path.basename(p) for p in auto["pth_files"]] == ["devmap_shims.pth"]
+    assert [os.path.basename(p) for p in auto["start_modules"]] == ["_devmap_shims_start.py"]
+    assert auto["active"] is True
 
 
 def test_usage_errors_exit_2():

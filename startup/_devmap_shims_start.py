@@ -1,7 +1,8 @@
 """Interpreter start-up entry of devmap-shims, installed at the root of site-packages.
 
 Importing this module runs :func:`run`. ``devmap_shims.pth`` imports it only when
-``DEVMAP_SHIMS`` is set and not ``0`` (the shortest line ``site`` can compile at every start);
+``DEVMAP_SHIMS`` is set (the shortest line ``site`` can compile at every start; ``0`` and the
+empty string are left to :func:`run`, which costs this small import, not the package's);
 Python 3.15+ (PEP 829) ignores that line because ``devmap_shims.start`` exists, and imports this
 module and calls :func:`run` at every start instead. Living outside the package, it costs one
 small import there, not an import of ``devmap_shims``; with the variable unset, empty or ``0``,

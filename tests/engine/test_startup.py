@@ -43,7 +43,7 @@ def test_unset_variable_installs_nothing():
 
 
 @pytest.mark.parametrize("value", [None, "", "0"], ids=["unset", "empty", "zero"])
-def test_pth_line_imports_nothing_unless_enabled(value):
+def test_start_up_imports_no_devmap_shims_module_unless_enabled(value):
     overrides = {} if value is None else {"DEVMAP_SHIMS": value}
     proc = run_python("import sys; print(sorted(m for m in sys.modules if m.startswith('devmap_shims')))", **overrides)
     assert proc.returncode == 0, proc.stderr

@@ -63,13 +63,18 @@ def test_pth_auto_enable_in_fresh_virtualenv(tmp_path, editable):
     # start. Emulate it: site's path lines with the variable still unset (so the import line does
     # nothing), then set it, or not, and call the entry point as site would
     entry = (Path(site) / "devmap_shims.start").read_text().strip()
-    call_start = (
-        f"import os, sys, site; site.addsitedir({site!r}); os.environ.update(sys.argv[1:] and [sys.argv[1:]]); "
-        f"import pkgutil; pkgutil.resolve_name({entry!r})(); "
-        "print(sorted(m for m in sys.modules if m.startswith('devmap_shims')) or 'none', "
-        "'devmap_shims' in sys.modules and sys.modules['devmap_shims'].is_installed())"
+    call_start = textwrap.dedent(
+        f"""
+        import os, pkgutil, site, sys
+        site.addsitedir({site!r})
+        if len(sys.argv) > 1:
+            os.environ["DEVMAP_SHIMS"] = sys.argv[1]
+        pkgutil.resolve_name({entry!r})()
+        loaded = sorted(m for m in sys.modules if m.startswith("devmap_shims"))
+        print(loaded or "none", "devmap_shims" in sys.modules and sys.modules["devmap_shims"].is_installed())
+        """
     )
-    on = sh(python, "-S", "-c", call_start, "DEVMAP_SHIMS", "1", env=clean_env(), cwd=tmp_path)
+    on = sh(python, "-S", "-c", call_start, "1", env=clean_env(), cwd=tmp_path)
     assert on.stdout.split()[-1] == "True", on.stderr
     off = sh(python, "-S", "-c", call_start, env=clean_env(), cwd=tmp_path)
     assert off.stdout.split() == ["none", "False"], off.stderr

@@ -16,10 +16,10 @@ import nox
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["engine", "current", "legacy-2024", "mid-2025", "legacy-2023"]
+nox.options.sessions = ["engine", "current", "legacy-2024", "mid-2025", "late-2025", "legacy-2023"]
 
 PYTHON = "3.11"
-STACKS = ("current", "legacy-2024", "mid-2025", "legacy-2023")
+STACKS = ("current", "legacy-2024", "mid-2025", "late-2025", "legacy-2023")
 
 
 def _install_stack(session: nox.Session, stack: str) -> None:

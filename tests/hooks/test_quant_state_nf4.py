@@ -41,13 +41,29 @@ needs_bnb_cpu = pytest.mark.skipif(
 )
 
 
+def bnb_rewrites_its_dynamic_map() -> bool:
+    """bitsandbytes 0.48's CPU quantize_blockwise kernel writes -1.0 into the shared dynamic map it is
+    given, so its nested states no longer carry ``create_dynamic_map()`` (later releases do not)."""
+    if not bnb_quantizes_on_cpu():
+        return False
+    functional = bnb.functional
+    functional.quantize_blockwise(torch.ones(256))
+    cached = functional.name2qmap.get("dynamic")
+    return cached is not None and not torch.equal(cached.cpu(), functional.create_dynamic_map())
+
+
 @needs_bnb_cpu
 @pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
 @pytest.mark.parametrize("shape, dtype", CASES)
 def test_packed_data_and_statistics_equal_bitsandbytes_quantize_4bit(shape, dtype, nested):
+    if nested and bnb_rewrites_its_dynamic_map():
+        pytest.skip(f"bitsandbytes {bnb.__version__}'s CPU kernel rewrites its dynamic map: no nested reference")
     w = sample(shape, dtype)
     data, state = nf4.quantize_nf4(w, compress_statistics=nested)
-    ref_data, ref_state = bnb.functional.quantize_4bit(w, quant_type="nf4", compress_statistics=nested)
+    try:
+        ref_data, ref_state = bnb.functional.quantize_4bit(w, quant_type="nf4", compress_statistics=nested)
+    except RuntimeError as exc:  # bitsandbytes 0.48: partial fp16 blocks fail in its pure-torch kernel
+        pytest.skip(f"bitsandbytes {bnb.__version__} cannot quantize {tuple(shape)} {dtype} on CPU: {exc}")
     assert torch.equal(data, ref_data)
     assert torch.equal(state.absmax, ref_state.absmax)
     assert torch.equal(state.code, ref_state.code)

@@ -94,6 +94,39 @@ def scenario(bug_id: str, title: str, needs: Tuple[str, ...] = ("torch",)) -> Ca
     return register
 
 
+# -- tiny checkpoints the scenarios share, built once per process -------------------------------
+_ONCE: Dict[Any, Any] = {}
+
+
+def tiny_checkpoint(arch: str, prefix: str, **overrides: Any) -> str:
+    """A tiny ``arch`` checkpoint (safetensors) written to a fresh temporary folder once per
+    process and set of ``overrides`` (``save_tiny_causal_lm`` arguments)."""
+    import os
+    import tempfile
+
+    key = ("checkpoint", arch, tuple(sorted(overrides.items(), key=lambda item: item[0])))
+    path = _ONCE.get(key)
+    if path is None or not os.path.isdir(path):
+        from devmap_shims.testing.models import save_tiny_causal_lm
+
+        folder = os.path.join(tempfile.mkdtemp(prefix=f"devmap-shims-{prefix}-"), arch)
+        path = _ONCE[key] = str(save_tiny_causal_lm(arch, folder, **overrides))
+    return path
+
+
+def cpu_greedy_tokens(path: str, new_tokens: int, **load_kwargs: Any) -> Any:
+    """Greedy tokens of the checkpoint at ``path`` on the CPU, for the sample prompt (once per process)."""
+    key = ("tokens", path, new_tokens, tuple(sorted(load_kwargs.items(), key=lambda item: item[0])))
+    if key not in _ONCE:
+        from transformers import AutoModelForCausalLM
+
+        from devmap_shims.testing.models import greedy_generate, sample_input_ids
+
+        model = AutoModelForCausalLM.from_pretrained(path, **load_kwargs)
+        _ONCE[key] = greedy_generate(model, sample_input_ids(), max_new_tokens=new_tokens)
+    return _ONCE[key]
+
+
 def load_all() -> Dict[str, List[Scenario]]:
     """Every registered scenario by bug id (imports the scenario modules, not the target libraries)."""
     for name in SCENARIO_MODULES:

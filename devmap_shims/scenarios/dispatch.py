@@ -10,29 +10,19 @@ the model a legacy tuple cache, the root hook moves all of it to ``cuda:0`` and 
 
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import Any, Dict
 
-from devmap_shims.scenarios import scenario
+from devmap_shims.scenarios import cpu_greedy_tokens, scenario, tiny_checkpoint
 
-_CACHE: Dict[str, Any] = {}
 NEW_TOKENS = 8
 GPU_MEMORY = "2GiB"  # transformers 5's allocator warm-up assumes at least 1.2 GiB per GPU
 
 
 def fp16_checkpoint() -> str:
     """A tiny float16 Qwen2 checkpoint with an untied head, written once per process."""
-    path = _CACHE.get("qwen2-fp16")
-    if path is None or not os.path.isdir(path):
-        import torch
+    import torch
 
-        from devmap_shims.testing.models import save_tiny_causal_lm
-
-        folder = os.path.join(tempfile.mkdtemp(prefix="devmap-shims-dispatch-"), "qwen2")
-        path = str(save_tiny_causal_lm("qwen2", folder, tie_word_embeddings=False, dtype=torch.float16))
-        _CACHE["qwen2-fp16"] = path
-    return path
+    return tiny_checkpoint("qwen2", "dispatch", tie_word_embeddings=False, dtype=torch.float16)
 
 
 def dtype_kwargs() -> Dict[str, Any]:
@@ -45,15 +35,7 @@ def dtype_kwargs() -> Dict[str, Any]:
 
 
 def cpu_reference(path: str) -> Any:
-    key = f"ref:{path}"
-    if key not in _CACHE:
-        from transformers import AutoModelForCausalLM
-
-        from devmap_shims.testing.models import greedy_generate, sample_input_ids
-
-        model = AutoModelForCausalLM.from_pretrained(path, **dtype_kwargs())
-        _CACHE[key] = greedy_generate(model, sample_input_ids(), max_new_tokens=NEW_TOKENS)
-    return _CACHE[key]
+    return cpu_greedy_tokens(path, NEW_TOKENS, **dtype_kwargs())
 
 
 @scenario(

@@ -9,39 +9,22 @@ model and the embedding fails; from 5.13 ``generate`` moves the forward's inputs
 
 from __future__ import annotations
 
-import os
-import tempfile
-from typing import Any, Dict
+from typing import Any
 
-from devmap_shims.scenarios import BugObserved, scenario
+from devmap_shims.scenarios import BugObserved, cpu_greedy_tokens, scenario, tiny_checkpoint
 
-_CACHE: Dict[str, Any] = {}
 NEW_TOKENS = 8
 GPU_MEMORY = "2GiB"  # transformers 5's allocator warm-up assumes at least 1.2 GiB per GPU
 
 
-def tiny_checkpoint() -> str:
+def qwen2_checkpoint() -> str:
     """A tiny Qwen2 checkpoint (safetensors), written once per process."""
-    path = _CACHE.get("qwen2")
-    if path is None or not os.path.isdir(path):
-        from devmap_shims.testing.models import save_tiny_causal_lm
-
-        path = str(save_tiny_causal_lm("qwen2", os.path.join(tempfile.mkdtemp(prefix="devmap-shims-gen-"), "qwen2")))
-        _CACHE["qwen2"] = path
-    return path
+    return tiny_checkpoint("qwen2", "gen")
 
 
 def cpu_reference(path: str) -> Any:
     """The greedy tokens of the checkpoint on the CPU (computed once per process)."""
-    key = f"ref:{path}"
-    if key not in _CACHE:
-        from transformers import AutoModelForCausalLM
-
-        from devmap_shims.testing.models import greedy_generate, sample_input_ids
-
-        model = AutoModelForCausalLM.from_pretrained(path)
-        _CACHE[key] = greedy_generate(model, sample_input_ids(), max_new_tokens=NEW_TOKENS)
-    return _CACHE[key]
+    return cpu_greedy_tokens(path, NEW_TOKENS)
 
 
 def compare(new_tokens: Any, reference: Any, where: str) -> str:
@@ -66,7 +49,7 @@ def inputs_on_cuda0_model_on_cuda1() -> str:
     from devmap_shims.testing import simulated_gpus
     from devmap_shims.testing.models import PAD_ID, sample_input_ids
 
-    path = tiny_checkpoint()
+    path = qwen2_checkpoint()
     reference = cpu_reference(path)
     ids = sample_input_ids()
     with simulated_gpus(2, memory=GPU_MEMORY), torch.no_grad():

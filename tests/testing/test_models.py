@@ -29,15 +29,7 @@ from devmap_shims.testing.models import (  # noqa: E402
     unsupported_archs,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny ops gain nothing from intra-op threads, and on a busy 2-core CI box OpenMP's
-    spin-waiting makes them 10-30x slower: run this module single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _arch_param(arch: str):

@@ -39,6 +39,8 @@ from devmap_shims.testing.models import (  # noqa: E402
     unsupported_archs,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 # Six layers: enough that accelerate's balanced placement under a tight max_memory spans
 # all of 4 GPUs without offloading (with 4 layers and a tied head it leaves cuda:3 empty).
 NUM_LAYERS = 6
@@ -49,16 +51,6 @@ ARCH_PARAMS = [
     pytest.param(a, id=a, marks=pytest.mark.skipif(a in unsupported_archs(), reason=unsupported_archs().get(a, "")))
     for a in ARCHS
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny ops gain nothing from intra-op threads, and on a busy 2-core CI box OpenMP's
-    spin-waiting makes them 10-30x slower: run this module single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class Reference:

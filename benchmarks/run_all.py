@@ -1,7 +1,7 @@
 """Run every benchmark, print one table and write benchmarks/results.json.
 
     python benchmarks/run_all.py            # all of them (several minutes on 2 cores)
-    python benchmarks/run_all.py startup    # only the named ones
+    python benchmarks/run_all.py startup    # only the named ones (their rows replace the old ones)
 
 Each benchmark module has a ``run()`` returning rows (dicts with at least ``benchmark``,
 ``value``, ``unit``, ``target`` and ``met``); measurements are side by side in one run and
@@ -84,8 +84,13 @@ def main(names) -> int:
     for f in failures:
         print(f"FAILED {f['benchmark']}: {f['error']}")
     out = {"machine": machine(), "rows": rows, "failures": failures}
-    (HERE / "results.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
-    print(f"\nwrote {HERE / 'results.json'}", file=sys.stderr)
+    results = HERE / "results.json"
+    if set(names) != set(BENCHMARKS) and results.exists():  # a partial run replaces only its own groups
+        kept = [r for r in json.loads(results.read_text()).get("rows", []) if r.get("group") not in names]
+        order = {name: i for i, name in enumerate(BENCHMARKS)}
+        out["rows"] = sorted(kept + rows, key=lambda r: order.get(r.get("group"), len(order)))
+    results.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    print(f"\nwrote {results}", file=sys.stderr)
     return 1 if failures else 0
 
 

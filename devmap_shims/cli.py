@@ -42,7 +42,7 @@ def _matrix_rows(args: argparse.Namespace) -> List[Any]:
     from devmap_shims.versions import installed_versions
 
     extra: List[Dict[str, Any]] = []
-    if not os.environ.get("DEVMAP_SHIMS_NO_PLUGINS", "").strip() in ("1", "true", "yes", "on"):
+    if os.environ.get("DEVMAP_SHIMS_NO_PLUGINS", "").strip() not in ("1", "true", "yes", "on"):
         extra, problems = catalog.plugin_rows()
         for problem in problems:
             print(f"devmap-shims: warning: {problem}", file=sys.stderr)

@@ -43,7 +43,7 @@ def test_two_torchrun_workers_report_shims_installed(tmp_path):
         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("REPORT "))
+    line = next(out for out in proc.stdout.splitlines() if out.startswith("REPORT "))
     reports = json.loads(line[len("REPORT "):])
     assert [r["rank"] for r in reports] == [0, 1]
     assert all(r["installed"] and r["auto"] and r["world"] == 2 for r in reports)

@@ -62,7 +62,7 @@ def test_order(order):
         env["DEVMAP_SHIMS"] = "1"
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("AUDIT "))
+    line = next(out for out in proc.stdout.splitlines() if out.startswith("AUDIT "))
     result = json.loads(line[len("AUDIT "):])
     assert result["problems"] == []
     assert result["installed"] is expect_installed

@@ -193,7 +193,7 @@ def checkpoint(tmp_path_factory):
 def test_torchrun_ranks_that_shard_get_one_warning_at_load_and_at_generate(tmp_path, checkpoint):
     proc = _torchrun(tmp_path, checkpoint)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("REPORT "))
+    line = next(out for out in proc.stdout.splitlines() if out.startswith("REPORT "))
     reports = json.loads(line[len("REPORT "):])
     assert [r["rank"] for r in reports] == [0, 1]
     for r in reports:

@@ -98,18 +98,38 @@ def scenario(bug_id: str, title: str, needs: Tuple[str, ...] = ("torch",)) -> Ca
 _ONCE: Dict[Any, Any] = {}
 
 
+def scratch_dir(prefix: str) -> str:
+    """A fresh temporary folder ``devmap-shims-<prefix>-*`` for checkpoints a scenario writes,
+    removed when the process that made it exits (not when a forked child of it does), so that
+    ``demo`` and test runs leave nothing behind in the temporary directory."""
+    import atexit
+    import os
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix=f"devmap-shims-{prefix}-")
+    atexit.register(_remove_scratch, folder, os.getpid())
+    return folder
+
+
+def _remove_scratch(folder: str, owner: int) -> None:
+    import os
+    import shutil
+
+    if os.getpid() == owner:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def tiny_checkpoint(arch: str, prefix: str, **overrides: Any) -> str:
     """A tiny ``arch`` checkpoint (safetensors) written to a fresh temporary folder once per
     process and set of ``overrides`` (``save_tiny_causal_lm`` arguments)."""
     import os
-    import tempfile
 
     key = ("checkpoint", arch, tuple(sorted(overrides.items(), key=lambda item: item[0])))
     path = _ONCE.get(key)
     if path is None or not os.path.isdir(path):
         from devmap_shims.testing.models import save_tiny_causal_lm
 
-        folder = os.path.join(tempfile.mkdtemp(prefix=f"devmap-shims-{prefix}-"), arch)
+        folder = os.path.join(scratch_dir(prefix), arch)
         path = _ONCE[key] = str(save_tiny_causal_lm(arch, folder, **overrides))
     return path
 

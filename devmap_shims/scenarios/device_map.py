@@ -11,10 +11,9 @@ it all the same.
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any, Dict
 
-from devmap_shims.scenarios import BugObserved, scenario
+from devmap_shims.scenarios import BugObserved, scenario, scratch_dir
 
 VOCAB = 8192
 GPUS = 4
@@ -44,7 +43,7 @@ def _checkpoint_and_reference() -> Any:
 
         from devmap_shims.testing.models import greedy_generate, sample_input_ids, save_tiny_causal_lm
 
-        path = os.path.join(tempfile.mkdtemp(prefix="devmap-shims-big-vocab-"), "model")
+        path = os.path.join(scratch_dir("big-vocab"), "model")
         save_tiny_causal_lm(
             "qwen2", path, num_layers=8, vocab_size=VOCAB, hidden_size=128,
             intermediate_size=512 if _quantized() else 256, num_attention_heads=4, num_key_value_heads=2,

@@ -9,10 +9,9 @@ kernel runs and every bitsandbytes release can be replayed on a CPU.
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any, Dict, List
 
-from devmap_shims.scenarios import BugObserved, ScenarioUnavailable, scenario
+from devmap_shims.scenarios import BugObserved, ScenarioUnavailable, scenario, scratch_dir
 
 _FLUX_NEEDS = ("torch", "bitsandbytes", "diffusers", "transformers")
 _CACHE: Dict[str, str] = {}
@@ -52,7 +51,7 @@ def _prequantized_flux_dir() -> str:
     if path is None or not os.path.isdir(path):
         from devmap_shims.testing.nf4 import save_prequantized_flux_transformer
 
-        path = os.path.join(tempfile.mkdtemp(prefix="devmap-shims-flux-nf4-"), "transformer")
+        path = os.path.join(scratch_dir("flux-nf4"), "transformer")
         save_prequantized_flux_transformer(path)
         _CACHE["flux-nf4"] = path
     return path

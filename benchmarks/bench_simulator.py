@@ -26,23 +26,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 NEW_TOKENS = 32
 TARGET_RATIO = 5.0
-# embedding + first layer on cuda:0, the rest (and the untied head) on cuda:1
-DEVICE_MAP = {
-    "model.embed_tokens": 0,
-    "model.layers.0": 0,
-    "model.layers.1": 1,
-    "model.norm": 1,
-    "model.rotary_emb": 1,
-    "lm_head": 1,
-}
-
-
-def _device_map(model: Any) -> Dict[str, int]:
-    """DEVICE_MAP restricted to the modules this transformers release has (rotary_emb moved)."""
-    names = {name for name, _ in model.named_modules()}
-    return {k: v for k, v in DEVICE_MAP.items() if k in names}
-
-
 def _timed_generate(model: Any, ids: Any) -> tuple:
     from devmap_shims.testing.models import greedy_generate
 
@@ -56,7 +39,7 @@ def run(repeat: int = 7, threads: int = 1) -> Dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from devmap_shims.testing import simulated_gpus
-    from devmap_shims.testing.models import sample_input_ids, save_tiny_causal_lm
+    from devmap_shims.testing.models import sample_input_ids, save_tiny_causal_lm, two_gpu_split
 
     repeat = max(repeat, 5)
     before_threads = torch.get_num_threads()
@@ -66,7 +49,7 @@ def run(repeat: int = 7, threads: int = 1) -> Dict[str, Any]:
             path = save_tiny_causal_lm("llama", Path(tmp) / "llama")
             ids = sample_input_ids(batch=1, length=8)
             cpu_model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-            device_map = _device_map(cpu_model)
+            device_map = two_gpu_split(cpu_model)
             _, cpu_tokens = _timed_generate(cpu_model, ids)  # warm-up
             cpu_times, sim_times, match = [], [], True
             for _ in range(repeat):

@@ -306,6 +306,25 @@ def greedy_generate(model: Any, input_ids: torch.Tensor, max_new_tokens: int = 1
     return out[:, input_ids.shape[1] :].cpu()
 
 
+# embedding + first layer on cuda:0, the rest (and the untied head) on cuda:1
+_TWO_GPU_SPLIT = {
+    "model.embed_tokens": 0,
+    "model.layers.0": 0,
+    "model.layers.1": 1,
+    "model.norm": 1,
+    "model.rotary_emb": 1,
+    "lm_head": 1,
+}
+
+
+def two_gpu_split(model: torch.nn.Module) -> dict[str, int]:
+    """A device map splitting a tiny two-layer Llama-style model over two GPUs (embedding and first
+    layer on 0, the rest on 1), with only the modules ``model`` has: ``model.rotary_emb`` appeared
+    in transformers 4.45."""
+    names = {name for name, _ in model.named_modules()}
+    return {key: gpu for key, gpu in _TWO_GPU_SPLIT.items() if key in names}
+
+
 # --------------------------------------------------------------------------- Flux
 
 # Component sizes. The transformer's width is heads * head_dim = 32; the rotary axes

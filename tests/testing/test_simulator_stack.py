@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
 from devmap_shims.testing import real_cpu_tensor, simulated_gpus  # noqa: E402
+from devmap_shims.testing.models import two_gpu_split  # noqa: E402
 
 TF_MAJOR = int(re.match(r"\d+", transformers.__version__).group())
 GEN = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -53,22 +54,12 @@ def cpu_tokens(tiny_llama_dir, prompt):
 ACCELERATE_SKIPS_SMALL_GPU0 = tuple(int(x) for x in accelerate.__version__.split(".")[:2]) < (0, 30)
 OLD_TRANSFORMERS = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (4, 45)
 
-SPLIT = {
-    "model.embed_tokens": 0,
-    "model.layers.0": 0,
-    "model.layers.1": 1,
-    "model.norm": 1,
-    "model.rotary_emb": 1,
-    "lm_head": 1,
-}
-
-
 def test_dispatch_model_over_two_gpus_generates_the_cpu_tokens(tiny_llama_dir, prompt, cpu_tokens):
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
     with simulated_gpus(2) as m:
         # skip_keys as from_pretrained passes it: without it transformers < 4.42 drags the KV cache
         # to cuda:0 (matrix row dispatch-without-skip-keys-moves-kv-cache), which is not this test's point
-        model = accelerate.dispatch_model(model, device_map=SPLIT, skip_keys=model._skip_keys_device_placement)
+        model = accelerate.dispatch_model(model, device_map=two_gpu_split(model), skip_keys=model._skip_keys_device_placement)
         assert model.model.layers[0].self_attn.q_proj.weight.device == torch.device("cuda:0")
         assert model.lm_head.weight.device == torch.device("cuda:1")
         assert m.allocated(0) > 0 and m.allocated(1) > 0

@@ -74,6 +74,8 @@ def _base_install(path: Path, kind: str) -> Path:
     for entry in stdlib.iterdir():
         if entry.name != "site-packages":
             (lib / entry.name).symlink_to(entry)
+    for shared in stdlib.parent.glob("libpython*"):  # for a binary that finds it through $ORIGIN/../lib
+        (path / "lib" / shared.name).symlink_to(shared)
     python = path / "bin" / real.name
     python.write_bytes(real.read_bytes())  # a copy: a link would lead getpath back to the real prefix
     python.chmod(0o755)

@@ -1,0 +1,100 @@
+"""A call's arguments by name, wherever the caller put them (by position or by keyword).
+
+A wrapper receives ``(wrapped, instance, args, kwargs)``; ``argument(wrapped, "model", args,
+kwargs)`` finds ``model`` whether the caller wrote ``f(m)`` or ``f(model=m)``. Signatures are read
+once per function; ``inspect`` is imported on the first call, never at import time.
+
+For callables without a Python signature (torch's C functions), :func:`argument_at` takes the
+position and the keyword names directly.
+"""
+
+from __future__ import annotations
+
+# typing costs ~20 ms to import and this package is imported at interpreter start: annotations
+# are strings here, and ``typing`` is imported only by type checkers (TYPE_CHECKING is their flag).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, Mapping, Sequence, Tuple
+
+_POSITIONS: Dict[Any, Dict[str, int]] = {}
+_SIGNATURES: Dict[Any, Any] = {}
+
+
+def _key(func: Callable[..., Any]) -> Any:
+    """A cache key that two callables share only when their signatures are the same: the code
+    object and whether it is bound (a bound method has no ``self`` parameter). None when there is
+    no stable key (a ``functools.partial`` made per call): such signatures are not cached."""
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return None
+    return code, getattr(func, "__self__", None) is not None
+
+
+def argument_at(args: Sequence[Any], kwargs: Mapping[str, Any], position: int, *names: str) -> Any:
+    """``args[position]`` if the caller passed that many positional arguments, else the first of
+    ``names`` found in ``kwargs``, else None."""
+    if len(args) > position:
+        return args[position]
+    for name in names:
+        if name in kwargs:
+            return kwargs[name]
+    return None
+
+
+def positions(func: Callable[..., Any]) -> Dict[str, int]:
+    """Positional index of each parameter of ``func`` that can be passed by position."""
+    key = _key(func)
+    found = _POSITIONS.get(key) if key is not None else None
+    if found is None:
+        import inspect
+
+        found = {}
+        for index, param in enumerate(inspect.signature(func).parameters.values()):
+            if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+                found[param.name] = index
+        if key is not None:
+            _POSITIONS[key] = found
+    return found
+
+
+def argument(func: Callable[..., Any], name: str, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Tuple[bool, Any]:
+    """``(given, value)`` of parameter ``name`` in a call ``func(*args, **kwargs)``; ``(False, None)``
+    when the caller left it to its default."""
+    if name in kwargs:
+        return True, kwargs[name]
+    index = positions(func).get(name)
+    if index is not None and index < len(args):
+        return True, args[index]
+    return False, None
+
+
+def with_argument(
+    func: Callable[..., Any], name: str, value: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """``(args, kwargs)`` of the same call with parameter ``name`` set to ``value``, in the place the
+    caller used for it (by keyword when the caller did not pass it)."""
+    index = positions(func).get(name)
+    if name not in kwargs and index is not None and index < len(args):
+        return args[:index] + (value,) + args[index + 1 :], kwargs
+    return args, dict(kwargs, **{name: value})
+
+
+def bind(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+    """Every parameter of a call ``func(*args, **kwargs)`` by name, defaults filled in.
+
+    Raises TypeError, as the call itself would, when the arguments do not fit the signature.
+    """
+    key = _key(func)
+    sig = _SIGNATURES.get(key) if key is not None else None
+    if sig is None:
+        import inspect
+
+        sig = inspect.signature(func)
+        if key is not None:
+            _SIGNATURES[key] = sig
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+__all__ = ["argument", "argument_at", "bind", "positions", "with_argument"]

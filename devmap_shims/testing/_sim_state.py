@@ -7,27 +7,22 @@ bitsandbytes ``Params4bit``) share the storage and therefore the device, as on r
 
 from __future__ import annotations
 
-import re
 import threading
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
-if TYPE_CHECKING:
-    from ._sim_machine import SimulatedMachine
+from devmap_shims.versions import release_tuple
 
-
-def _release_tuple(version: str) -> tuple:
-    m = re.match(r"(\d+)\.(\d+)", version)
-    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
-
-
-TORCH_VERSION = _release_tuple(torch.__version__)
+# Always (major, minor): release_tuple drops trailing zeros ("2.6.0" -> (2, 6), "3.0.0" -> (3,)),
+# and the simulator compares against (major, minor) pairs such as (2, 8).
+TORCH_VERSION = (release_tuple(torch.__version__) + (0,))[:2]
 
 # storage key (torch._C._storage_id) -> simulated CUDA index
 DEVICE_OF: Dict[int, int] = {}
 
-MACHINE: Optional["SimulatedMachine"] = None
+# The running SimulatedMachine. Typed Any: importing _sim_machine here would close a cycle.
+MACHINE: Any = None
 
 # > 0 while the simulator's own mode handler runs an op on the real CPU tensors: then
 # ``Tensor.device`` & co. report the real device, so torch's Python internals that build

@@ -1,98 +1,38 @@
-"""Simulated ``torch.cuda`` / ``torch.accelerator`` API, generators, streams, events, pinned memory.
+"""Simulated ``torch.cuda`` / ``torch.accelerator`` API: devices, memory, RNG state, streams.
 
+Also the ``torch.device`` stand-in for torch builds where ``torch.device(0)`` asks the driver.
 Everything here answers from the active :class:`SimulatedMachine`; nothing reaches the CUDA
-driver. Streams and events are inert (work runs synchronously on the CPU).
+driver.
 """
 
 from __future__ import annotations
 
 import collections
-import weakref
 from typing import Any, Dict, List, Tuple
 
 import torch
 
 from . import _sim_state as S
-from ._sim_mode import parse_device
+from ._sim_devices import index_of
+from ._sim_generators import DEFAULT_GENERATORS, default_generator, make_generator
+from ._sim_machine import format_size
+from ._sim_storages import clear_pinned
+from ._sim_streams import (
+    SimulatedEvent,
+    SimulatedStream,
+    SimulatedStreamContext,
+    clear_streams,
+    current_stream,
+    set_stream,
+    stream,
+)
 
-_RealGenerator = torch._C.Generator
 _RealDevice = type(torch.device("cpu"))
 
 
 # ---------------------------------------------------------------------------------------------
-# device arguments
+# torch.device stand-in
 # ---------------------------------------------------------------------------------------------
-def index_of(device: Any = None, optional: bool = True) -> int:
-    """torch.cuda's device argument (None, int, "cuda:1", torch.device) -> simulated index."""
-    if device is None:
-        return S.MACHINE.current_device
-    if isinstance(device, str) and device.strip() == "cuda":
-        return S.MACHINE.current_device
-    if isinstance(device, torch.device) and device.type == "cuda" and device.index is None:
-        return S.MACHINE.current_device
-    target = parse_device(device)
-    if not isinstance(target, int):
-        raise ValueError(f"Expected a cuda device, but got: {target}")
-    return target
-
-
-# ---------------------------------------------------------------------------------------------
-# generators
-# ---------------------------------------------------------------------------------------------
-class SimulatedCudaGenerator(_RealGenerator):
-    """A CPU generator that reports ``cuda:N``: random ops on simulated GPUs draw from it."""
-
-    _sim_index = 0
-
-    @property
-    def device(self) -> torch.device:  # type: ignore[override]
-        if S.MACHINE is not None and self._sim_index < len(S.CUDA_DEVICES):
-            return S.CUDA_DEVICES[self._sim_index]
-        return torch.device("cuda", self._sim_index)
-
-
-def make_generator(idx: int) -> SimulatedCudaGenerator:
-    g = SimulatedCudaGenerator()
-    g._sim_index = idx
-    return g
-
-
-def generator_device(g: Any) -> str:
-    if isinstance(g, SimulatedCudaGenerator):
-        return "cuda"
-    return g.device.type
-
-
-_DEFAULT_GENERATORS: List[SimulatedCudaGenerator] = []
-
-
-def default_generator(idx: int) -> SimulatedCudaGenerator:
-    return _DEFAULT_GENERATORS[idx]
-
-
-class _GeneratorMeta(type):
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, _RealGenerator)
-
-    def __subclasscheck__(cls, sub: type) -> bool:
-        return issubclass(sub, _RealGenerator)
-
-    def __call__(cls, device: Any = "cpu") -> Any:
-        target = parse_device(device) if device is not None else torch.device("cpu")
-        if isinstance(target, int):
-            return make_generator(target)
-        return _RealGenerator(device=target)
-
-
-class GeneratorStandIn(metaclass=_GeneratorMeta):
-    """Takes the place of ``torch.Generator`` during a simulation: ``torch.Generator("cuda:1")``
-    gives a :class:`SimulatedCudaGenerator`; any other device gives a real generator. Instance
-    checks against it accept every real generator."""
-
-    def __getattr__(self, name: str) -> Any:  # pragma: no cover - never instantiated
-        raise AttributeError(name)
-
-
 class _DeviceMeta(type):
     def __instancecheck__(cls, obj: Any) -> bool:
         return isinstance(obj, _RealDevice)
@@ -109,128 +49,6 @@ class _DeviceMeta(type):
 class DeviceStandIn(metaclass=_DeviceMeta):
     """Takes the place of ``torch.device`` on torch builds where ``torch.device(0)`` asks the
     driver (2.5, 2.6): an int means ``cuda:int``; instance checks accept every real device."""
-
-
-# ---------------------------------------------------------------------------------------------
-# streams and events
-# ---------------------------------------------------------------------------------------------
-class SimulatedStream:
-    """An inert CUDA stream: work is synchronous on the CPU, so every wait is already satisfied."""
-
-    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
-        self._index = index_of(device)
-        self.priority = priority
-        self.stream_id = id(self)
-        self.cuda_stream = 0
-        self.device_index = self._index
-        self.device_type = 1  # DeviceType::CUDA
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda", self._index)
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> "SimulatedEvent":
-        event = event if event is not None else SimulatedEvent()
-        event.record(self)
-        return event
-
-    def query(self) -> bool:
-        return True
-
-    def __enter__(self) -> "SimulatedStream":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    def __repr__(self) -> str:
-        return f"<torch.cuda.Stream device=cuda:{self._index} cuda_stream=0x0 (simulated)>"
-
-
-class SimulatedEvent:
-    """An inert CUDA event (``elapsed_time`` is 0.0)."""
-
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
-        self.enable_timing = enable_timing
-        self._recorded = False
-
-    def record(self, stream: Any = None) -> None:
-        self._recorded = True
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, end_event: Any) -> float:
-        return 0.0
-
-    def __repr__(self) -> str:
-        return "<torch.cuda.Event (simulated)>"
-
-
-_STREAMS: Dict[int, SimulatedStream] = {}
-
-
-def current_stream(device: Any = None) -> SimulatedStream:
-    idx = index_of(device)
-    s = _STREAMS.get(idx)
-    if s is None:
-        s = _STREAMS[idx] = SimulatedStream(idx)
-    return s
-
-
-class SimulatedStreamContext:
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-
-    def __enter__(self) -> Any:
-        return self.stream
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-def stream(stream: Any) -> SimulatedStreamContext:
-    return SimulatedStreamContext(stream)
-
-
-def set_stream(stream: Any) -> None:
-    pass
-
-
-# ---------------------------------------------------------------------------------------------
-# pinned memory
-# ---------------------------------------------------------------------------------------------
-_PINNED: Dict[int, weakref.ref] = {}
-
-
-def mark_pinned(t: Any) -> None:
-    if not isinstance(t, torch.Tensor):
-        return
-    st = t.untyped_storage()
-    sid = torch._C._storage_id(t)
-    _PINNED[sid] = weakref.ref(st, lambda _r, sid=sid: _PINNED.pop(sid, None))
-
-
-def is_pinned(t: torch.Tensor) -> bool:
-    try:
-        return torch._C._storage_id(t) in _PINNED
-    except (RuntimeError, TypeError):
-        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,8 +132,6 @@ def memory_stats(device: Any = None) -> "collections.OrderedDict[str, Any]":
 
 
 def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
-    from ._sim_machine import format_size
-
     idx = index_of(device)
     m = S.MACHINE
     return (
@@ -337,7 +153,7 @@ def manual_seed(seed: int) -> None:
 
 
 def manual_seed_all(seed: int) -> None:
-    for g in _DEFAULT_GENERATORS:
+    for g in DEFAULT_GENERATORS:
         g.manual_seed(int(seed))
 
 
@@ -346,8 +162,8 @@ def seed() -> None:
 
 
 def seed_all() -> None:
-    s = _DEFAULT_GENERATORS[0].seed() if _DEFAULT_GENERATORS else 0
-    for g in _DEFAULT_GENERATORS[1:]:
+    s = DEFAULT_GENERATORS[0].seed() if DEFAULT_GENERATORS else 0
+    for g in DEFAULT_GENERATORS[1:]:
         g.manual_seed(s)
 
 
@@ -360,7 +176,7 @@ def get_rng_state(device: Any = "cuda") -> torch.Tensor:
 
 
 def get_rng_state_all() -> List[torch.Tensor]:
-    return [g.get_state() for g in _DEFAULT_GENERATORS]
+    return [g.get_state() for g in DEFAULT_GENERATORS]
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
@@ -368,7 +184,7 @@ def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
 
 
 def set_rng_state_all(new_states: Any) -> None:
-    for g, s in zip(_DEFAULT_GENERATORS, new_states):
+    for g, s in zip(DEFAULT_GENERATORS, new_states):
         g.set_state(s)
 
 
@@ -394,15 +210,15 @@ def get_memory_info(device: Any = None, /) -> Tuple[int, int]:
 
 def start() -> None:
     n = S.MACHINE.device_count
-    _DEFAULT_GENERATORS[:] = [make_generator(i) for i in range(n)]
-    _STREAMS.clear()
-    _PINNED.clear()
+    DEFAULT_GENERATORS[:] = [make_generator(i) for i in range(n)]
+    clear_streams()
+    clear_pinned()
 
 
 def stop() -> None:
-    _DEFAULT_GENERATORS.clear()
-    _STREAMS.clear()
-    _PINNED.clear()
+    DEFAULT_GENERATORS.clear()
+    clear_streams()
+    clear_pinned()
 
 
 def cuda_namespace() -> Dict[str, Any]:
@@ -455,7 +271,7 @@ def cuda_namespace() -> Dict[str, Any]:
         "get_rng_state_all": get_rng_state_all,
         "set_rng_state": set_rng_state,
         "set_rng_state_all": set_rng_state_all,
-        "default_generators": tuple(_DEFAULT_GENERATORS),
+        "default_generators": tuple(DEFAULT_GENERATORS),
     }
 
 

@@ -71,9 +71,12 @@ from typing import Any, Iterator, List, Sequence, Tuple, Union
 
 import torch
 
-from . import _sim_cuda, _sim_state as S
+from . import _sim_cuda, _sim_generators, _sim_state as S, _sim_streams
+from ._sim_autograd import SimulatedAutogradError
+from ._sim_devices import clear_parse_cache, parse_device
 from ._sim_machine import MemorySpec, SimulatedDeviceProperties, SimulatedMachine, format_size, parse_memory
-from ._sim_mode import SimulatedAutogradError, SimulationMode, parse_device, tag_storage
+from ._sim_mode import SimulationMode
+from ._sim_storages import tag_storage
 
 __all__ = [
     "SimulatedAutogradError",
@@ -141,7 +144,7 @@ def _get_device(self: torch.Tensor) -> int:
 
 def _record_stream(self: torch.Tensor, stream: Any) -> None:
     # simulated streams are inert; torch's own parser would reject them before any mode sees them
-    if isinstance(stream, _sim_cuda.SimulatedStream):
+    if isinstance(stream, _sim_streams.SimulatedStream):
         return None
     return _TensorBase.record_stream(self, stream)
 
@@ -301,7 +304,7 @@ def _install(patcher: _Patcher) -> None:
             for mod in modules:
                 if name in mod.__dict__:
                     patcher.set(mod, name, _outside_falls_back(value, mod.__dict__[name]))
-    patcher.set(torch, "Generator", _sim_cuda.GeneratorStandIn)
+    patcher.set(torch, "Generator", _sim_generators.GeneratorStandIn)
     # transformers 4.4x compiles the forward for static/hybrid caches when the model is on CUDA
     patcher.set(torch, "compile", _compile_eagerly)
     for owner in (torch, torch.serialization):
@@ -359,9 +362,7 @@ def simulated_gpus(
             S.CUDA_DEVICES.clear()
             S.DEPTH.n = 0
             S.DEPTH.in_mode = False
-            from ._sim_mode import _parse_cache
-
-            _parse_cache.clear()
+            clear_parse_cache()
             _sim_cuda.stop()
             machine._drop_all()
             patcher.restore()

@@ -1,0 +1,194 @@
+"""The path of every op without a handler of its own, factories included.
+
+An op runs on the CPU tensors behind its operands, and the new storages it returns are tagged
+with the operands' simulated device (their common device, after CUDA's checks when the operands
+sit on different devices). Ops given ``device=`` (factories, ``*_like``, ``new_*``) run on the
+CPU and their results are tagged with that device; sized factories raise CUDA's out-of-memory
+error before allocating. Random ops on a simulated GPU draw from that GPU's generator.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+import torch.utils._device as _device_module
+
+from . import _sim_state as S
+from ._sim_autograd import NO_GRAD_CHECK, autograd_error, check_grad
+from ._sim_device_checks import check_mixed
+from ._sim_devices import Target, parse_device
+from ._sim_generators import default_generator, generator_device
+from ._sim_operands import tensor_operands, torch_functions
+from ._sim_storages import mark_pinned, sim_copy, tag, tag_all
+
+_storage_id = torch._C._storage_id
+_Tensor = torch.Tensor
+_CPU = torch.device("cpu")
+_real_is_cpu = torch._C.TensorBase.is_cpu.__get__
+
+SIZED_FACTORIES = set(torch_functions("empty", "zeros", "ones", "rand", "randn"))
+RANDOM_FACTORIES = set(torch_functions("randn", "rand", "randint", "randperm", "normal"))
+# random ops on existing tensors that take a generator: they draw from the simulated device's generator
+RANDOM_ON_TENSORS = set(
+    torch_functions(
+        "multinomial", "normal_", "uniform_", "bernoulli", "bernoulli_", "exponential_", "random_",
+        "geometric_", "log_normal_", "cauchy_",
+    )
+)
+
+
+def _strip_pin(kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
+    if kwargs.get("pin_memory"):
+        kwargs = dict(kwargs)
+        kwargs["pin_memory"] = False
+        return kwargs, True
+    return kwargs, False
+
+
+def _check_generator(kwargs: Dict[str, Any], target: Target) -> None:
+    g = kwargs.get("generator")
+    if g is None:
+        return
+    gdev = generator_device(g)
+    want = "cuda" if isinstance(target, int) else target.type
+    if gdev != want:
+        raise RuntimeError(f"Expected a '{want}' device type for generator but found '{gdev}'")
+
+
+@functools.lru_cache(maxsize=None)
+def dtype_itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _factory_nbytes(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> int:
+    """Bytes a sized factory (empty/zeros/ones/rand/randn) will allocate, 0 when unknown."""
+    if func not in SIZED_FACTORIES:
+        return 0
+    size = kwargs.get("size")
+    if size is None:
+        if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+            size = args[0]
+        else:
+            size = args
+    numel = 1
+    for d in size:
+        if not isinstance(d, int):
+            return 0
+        numel *= d
+    return numel * dtype_itemsize(kwargs.get("dtype") or torch.get_default_dtype())
+
+
+def run_with_device(func: Any, args: Sequence[Any], kwargs: Dict[str, Any], dev: Any) -> Any:
+    """Ops called with ``device=``: factories, ``*_like``, ``new_*``, ``as_tensor``..."""
+    target = parse_device(dev)
+    kwargs, pinned = _strip_pin(kwargs)
+    if "generator" in kwargs and kwargs["generator"] is not None:
+        _check_generator(kwargs, target)
+    ts = tensor_operands(args, kwargs)
+    if isinstance(target, int):
+        kwargs = dict(kwargs)
+        kwargs["device"] = _CPU
+        nbytes = _factory_nbytes(func, args, kwargs)
+        if nbytes:
+            S.MACHINE._precheck(target, nbytes)
+        if func in RANDOM_FACTORIES and kwargs.get("generator") is None:
+            kwargs["generator"] = default_generator(target)
+        out = func(*args, **kwargs)
+        return _retarget(out, ts, target)
+    if dev is not target:
+        kwargs = dict(kwargs)
+        kwargs["device"] = target
+    out = func(*args, **kwargs)
+    if ts and isinstance(out, _Tensor) and S.sim_index(out) is not None:
+        out = sim_copy(out)  # e.g. torch.as_tensor(t_on_cuda, device="cpu") must copy
+    if pinned:
+        mark_pinned(out)
+    return out
+
+
+def _retarget(out: Any, inputs: List[torch.Tensor], target: int) -> Any:
+    """Tag outputs on ``target``; an output aliasing an input on another device becomes a copy."""
+    if isinstance(out, _Tensor):
+        if inputs:
+            sid = _storage_id(out)
+            for t in inputs:
+                if _storage_id(t) == sid:
+                    if S.DEVICE_OF.get(sid) == target:
+                        return out
+                    out = sim_copy(out)
+                    break
+        tag(out, target)
+    elif isinstance(out, (list, tuple)):
+        tag_all(out, target)
+    return out
+
+
+def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+    """Run ``func`` on the CPU tensors and tag its results (see the module docstring)."""
+    default = _device_module.CURRENT_DEVICE
+    if default is not None and kwargs.get("device") is None and func in _device_module._device_constructors():
+        # torch.set_default_device / `with torch.device(...)`: its mode may sit below this one
+        kwargs = dict(kwargs)
+        kwargs["device"] = default
+    if kwargs:
+        dev = kwargs.get("device", None)
+        if dev is not None:
+            return run_with_device(func, args, kwargs, dev)
+        ts = tensor_operands(args, kwargs)
+    else:  # tensor_operands without kwargs, inlined: every op of a model passes here
+        ts = []
+        for a in args:
+            if isinstance(a, _Tensor):
+                ts.append(a)
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, _Tensor):
+                        ts.append(b)
+    if not ts:
+        if kwargs.get("generator") is not None:
+            _check_generator(kwargs, _CPU)
+        if kwargs.get("pin_memory"):
+            return run_with_device(func, args, kwargs, _CPU)
+        return func(*args, **kwargs)
+
+    device_of = S.DEVICE_OF
+    keys: List[Any] = []
+    for t in ts:
+        try:
+            keys.append(device_of.get(_storage_id(t)))
+        except (RuntimeError, TypeError):
+            keys.append(None)
+    common = keys[0]
+    mixed = False
+    for k in keys:
+        if k != common:
+            mixed = True
+            break
+    skip = None
+    if mixed:
+        common, skip = check_mixed(func, args, kwargs, ts, keys)
+    if common is None:  # nothing on a simulated GPU (or a real non-CPU device leads): run as is
+        return func(*args, **kwargs)
+
+    if func in RANDOM_ON_TENSORS and kwargs.get("generator") is None:
+        kwargs = dict(kwargs)
+        kwargs["generator"] = default_generator(common)
+    out = func(*args, **kwargs)
+    if isinstance(out, _Tensor):
+        if out.requires_grad and out.grad_fn is not None and torch.is_grad_enabled() and func not in NO_GRAD_CHECK:
+            raise autograd_error(func, common)
+        try:
+            sid = _storage_id(out)
+        except (RuntimeError, TypeError):
+            return out
+        if sid not in device_of and not (skip and sid in skip) and _real_is_cpu(out):
+            S.MACHINE._charge(out.untyped_storage(), sid, common)
+            device_of[sid] = common
+        return out
+    if isinstance(out, (tuple, list)):
+        if torch.is_grad_enabled() and func not in NO_GRAD_CHECK:
+            check_grad(func, out, common)
+        tag_all(out, common, skip)
+    return out

@@ -1,0 +1,88 @@
+"""Which CPU storages stand for memory on a simulated GPU, and which are pinned.
+
+Tagging a storage records its simulated device in ``DEVICE_OF`` and charges its bytes to that
+GPU; a storage is tagged once, when it is new, so views and in-place results keep their device.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, Optional
+
+import torch
+
+from . import _sim_state as S
+
+_storage_id = torch._C._storage_id
+_Tensor = torch.Tensor
+_real_is_cpu = torch._C.TensorBase.is_cpu.__get__
+
+
+def tag(t: torch.Tensor, idx: int, skip: Optional[set] = None) -> None:
+    """Record that the storage of ``t`` (if new) lives on simulated ``cuda:idx``."""
+    try:
+        sid = _storage_id(t)
+    except (RuntimeError, TypeError):
+        return
+    if sid in S.DEVICE_OF or (skip and sid in skip):
+        return
+    if not _real_is_cpu(t):  # meta tensors and friends stay what they are
+        return
+    S.MACHINE._charge(t.untyped_storage(), sid, idx)
+    S.DEVICE_OF[sid] = idx
+
+
+def tag_storage(storage: Any, idx: int) -> None:
+    """Record that ``storage`` (an untyped CPU storage) lives on simulated ``cuda:idx``."""
+    sid = storage._cdata
+    if sid not in S.DEVICE_OF:
+        S.MACHINE._charge(storage, sid, idx)
+        S.DEVICE_OF[sid] = idx
+
+
+def tag_all(out: Any, idx: int, skip: Optional[set] = None) -> None:
+    if isinstance(out, _Tensor):
+        tag(out, idx, skip)
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, _Tensor):
+                tag(o, idx, skip)
+            elif isinstance(o, (tuple, list)):
+                tag_all(o, idx, skip)
+
+
+def sim_copy(t: torch.Tensor, memory_format: Any = torch.preserve_format) -> torch.Tensor:
+    """A fresh CPU copy of ``t`` (used where CUDA would copy across devices)."""
+    return t.clone(memory_format=memory_format)
+
+
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return _storage_id(a) == _storage_id(b)
+    except (RuntimeError, TypeError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# pinned memory
+# ---------------------------------------------------------------------------------------------
+_PINNED: Dict[int, weakref.ref] = {}
+
+
+def mark_pinned(t: Any) -> None:
+    if not isinstance(t, torch.Tensor):
+        return
+    st = t.untyped_storage()
+    sid = torch._C._storage_id(t)
+    _PINNED[sid] = weakref.ref(st, lambda _r, sid=sid: _PINNED.pop(sid, None))
+
+
+def is_pinned(t: torch.Tensor) -> bool:
+    try:
+        return torch._C._storage_id(t) in _PINNED
+    except (RuntimeError, TypeError):
+        return False
+
+
+def clear_pinned() -> None:
+    _PINNED.clear()

@@ -246,13 +246,15 @@ def save_prequantized_flux_transformer(
     """
     from safetensors.torch import save_file
 
-    from devmap_shims.testing.models import _seeded, _reinit_weights, _tiny_flux_transformer
+    from devmap_shims.testing.models.flux import build_tiny_flux_transformer, flux_component_seed
+    from devmap_shims.testing.models.seeding import reinit_weights, seeded
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    with _seeded(seed * 1000):
-        model = _tiny_flux_transformer(True)
-    _reinit_weights(model, seed * 1000, embedding_std=1.0)
+    component_seed = flux_component_seed(seed, "transformer")
+    with seeded(component_seed):
+        model = build_tiny_flux_transformer(True)
+    reinit_weights(model, component_seed, embedding_std=1.0)
     linears = {name for name, m in model.named_modules() if type(m) is torch.nn.Linear}
     tensors: Dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():

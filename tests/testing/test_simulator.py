@@ -18,12 +18,13 @@ import torch.nn.functional as F  # noqa: E402
 
 from devmap_shims.testing import (  # noqa: E402
     SimulatedAutogradError,
+    format_size,
     is_simulated,
+    parse_memory,
     real_cpu_tensor,
     simulated_gpus,
 )
 from devmap_shims.testing import simulator as sim_module  # noqa: E402
-from devmap_shims.testing._sim_machine import format_size, parse_memory  # noqa: E402
 
 NEW_MESSAGES = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 8)
 

@@ -18,19 +18,20 @@ def run_from_startup() -> None:
     value = os.environ.get("DEVMAP_SHIMS", "").strip()
     if value in ("", "0"):
         return
-    try:
-        from devmap_shims.shims.config import FALSE, TRUE
+    from devmap_shims.shims.config import flag
 
-        if value.lower() in FALSE:
+    try:
+        enabled = flag(value)
+        if enabled is False:
             return
-        if value.lower() not in TRUE:
+        if enabled is None:
             _warn_bad(value)
             return
         from devmap_shims import install
 
         install(_auto=True)
     except Exception as exc:  # pragma: no cover - last resort, keep the interpreter alive
-        if os.environ.get("DEVMAP_SHIMS_STRICT", "").strip().lower() in ("1", "true", "yes", "on"):
+        if flag(os.environ.get("DEVMAP_SHIMS_STRICT")):
             raise
         import sys
 

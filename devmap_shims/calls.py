@@ -10,9 +10,7 @@ position and the keyword names directly.
 
 from __future__ import annotations
 
-# typing costs ~20 ms to import and this package is imported at interpreter start: annotations
-# are strings here, and ``typing`` is imported only by type checkers (TYPE_CHECKING is their flag).
-TYPE_CHECKING = False
+TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Mapping, Sequence, Tuple
 
@@ -22,12 +20,21 @@ _SIGNATURES: Dict[Any, Any] = {}
 
 def _key(func: Callable[..., Any]) -> Any:
     """A cache key that two callables share only when their signatures are the same: the code
-    object and whether it is bound (a bound method has no ``self`` parameter). None when there is
-    no stable key (a ``functools.partial`` made per call): such signatures are not cached."""
-    code = getattr(func, "__code__", None)
-    if code is None:
-        return None
-    return code, getattr(func, "__self__", None) is not None
+    object of the function ``inspect.signature`` would read (decorators' ``__wrapped__`` followed,
+    as it does; a ``__signature__`` of its own keys by the object itself) and whether it is bound
+    (a bound method has no ``self`` parameter). None when there is no stable key (a
+    ``functools.partial`` made per call): such signatures are not cached."""
+    bound = getattr(func, "__self__", None) is not None
+    inner = func
+    for _ in range(16):
+        if "__signature__" in getattr(inner, "__dict__", ()):
+            return inner, bound
+        wrapped = getattr(inner, "__wrapped__", None)
+        if wrapped is None:
+            break
+        inner = wrapped
+    code = getattr(inner, "__code__", None)
+    return (code, bound) if code is not None else None
 
 
 def argument_at(args: Sequence[Any], kwargs: Mapping[str, Any], position: int, *names: str) -> Any:

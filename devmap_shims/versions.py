@@ -18,14 +18,14 @@ Here each of them counts as its release (2.6.0, 2.6.0, 2.6.0, 2.5.1): an NGC ``2
 
 from __future__ import annotations
 
-import re
-from functools import lru_cache
-from typing import Iterable, Mapping
+TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
+if TYPE_CHECKING:
+    from typing import Iterable, Mapping
 
-#: The libraries whose device placement this package repairs.
+#: The libraries whose device placement this package repairs (their top-level package names too).
 TARGET_DISTRIBUTIONS = ("torch", "transformers", "accelerate", "bitsandbytes", "diffusers")
 
-_RELEASE = re.compile(r"^\s*v?(?:\d+!)?(\d+(?:\.\d+)*)")
+_RELEASE = r"^\s*v?(?:\d+!)?(\d+(?:\.\d+)*)"
 
 
 def installed_version(distribution: str) -> str | None:
@@ -50,7 +50,9 @@ def release_tuple(version: str) -> tuple[int, ...]:
 
     Raises ValueError when the string does not start with a release number.
     """
-    match = _RELEASE.match(version)
+    import re
+
+    match = re.match(_RELEASE, version)
     if not match:
         raise ValueError(f"not a version number: {version!r}")
     parts = tuple(int(p) for p in match.group(1).split("."))
@@ -65,11 +67,16 @@ def normalize(version: str) -> str:
     return ".".join(str(p) for p in release_tuple(version))
 
 
-@lru_cache(maxsize=512)
-def _specifier_set(spec: str):
-    from packaging.specifiers import SpecifierSet
+_SPECIFIER_SETS: dict = {}
 
-    return SpecifierSet(spec.strip() if spec.strip() not in ("*", "any") else "")
+
+def _specifier_set(spec: str):
+    found = _SPECIFIER_SETS.get(spec)
+    if found is None:
+        from packaging.specifiers import SpecifierSet
+
+        found = _SPECIFIER_SETS[spec] = SpecifierSet(spec.strip() if spec.strip() not in ("*", "any") else "")
+    return found
 
 
 def version_in(version: str, spec: str) -> bool:

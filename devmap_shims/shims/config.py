@@ -18,8 +18,7 @@ and the setting keeps its default. Unknown shim ids are checked later, once the 
 from __future__ import annotations
 
 import os
-# typing costs ~20 ms to import; annotations are strings here, so it is only needed by type checkers
-TYPE_CHECKING = False
+TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
     from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -66,15 +65,26 @@ class Settings:
         }
 
 
-def _flag(env: Mapping[str, str], name: str, settings: Settings) -> Optional[bool]:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
+def flag(raw: Optional[str]) -> Optional[bool]:
+    """True or False for a switch value (``1``/``true``/``yes``/``on``, any case, and their
+    opposites), None when ``raw`` is unset, empty or not understood."""
+    if raw is None:
         return None
     value = raw.strip().lower()
     if value in TRUE:
         return True
     if value in FALSE:
         return False
+    return None
+
+
+def _flag(env: Mapping[str, str], name: str, settings: Settings) -> Optional[bool]:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    value = flag(raw)
+    if value is not None:
+        return value
     settings.problems.append(
         f"{name}={raw!r} is not understood; use 1 or 0 (also true/false, yes/no, on/off). Ignoring it."
     )

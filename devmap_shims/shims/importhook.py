@@ -11,28 +11,32 @@ parent package's ``from .modeling import infer_auto_device_map`` executes, so ev
 copy binds the wrapper.
 
 Import time versus call time: :func:`when_imported` costs a dict insert; the finder costs one dict
-lookup per import of any module; a hook runs once, right after its module executes. A hook that
-raises never breaks the user's import: the error goes to ``on_error``.
+lookup per import of any module; a hook runs once, right after its module executes.
+:func:`before_first_import` runs a callback once, just before the first of some top-level packages
+is imported: the engine imports the built-in shim modules there, not at ``install()``. A hook that
+raises ``Exception`` never breaks the user's import: the error goes to the hook's ``on_error``
+(logged when none was given), which may raise to make the import fail on purpose (strict mode).
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-# typing costs ~20 ms to import; annotations are strings here, so it is only needed by type checkers
-TYPE_CHECKING = False
+TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
-    from typing import Any, Callable, Dict, List
+    from typing import Any, Callable, Dict, List, Optional, Tuple
 
     Hook = Callable[[Any], None]
+    ErrorHandler = Callable[[str, Hook, BaseException], None]
 
 
 _lock = threading.RLock()
-_hooks: Dict[str, List[Hook]] = {}
+_hooks: Dict[str, List[Tuple[Hook, ErrorHandler]]] = {}
+_triggers: Dict[str, Callable[[], None]] = {}  # top-level package name -> callback, until it fires
 _finder: _PostImportFinder | None = None
 
 
-def _report_hook_error(module_name: str, hook: Hook, exc: BaseException) -> None:
+def _log_hook_error(module_name: str, hook: Hook, exc: BaseException) -> None:
     import logging
 
     logging.getLogger("devmap_shims").warning(
@@ -41,15 +45,11 @@ def _report_hook_error(module_name: str, hook: Hook, exc: BaseException) -> None
     )
 
 
-#: Called with (module name, hook, exception) when a hook raises; replaced by the registry.
-on_error: Callable[[str, Hook, BaseException], None] = _report_hook_error
-
-
 def _run_hooks(module: Any) -> None:
     name = getattr(module, "__name__", None)
     with _lock:
         hooks = _hooks.pop(name, [])
-    for hook in hooks:
+    for hook, on_error in hooks:
         try:
             hook(module)
         except Exception as exc:  # never break the user's import (on_error decides; strict mode raises)
@@ -93,6 +93,8 @@ class _PostImportFinder:
         self._in_progress: set = set()
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if _triggers and path is None:  # a top-level name: the first import of a watched package
+            _fire(_triggers.get(fullname))
         if fullname not in _hooks or fullname in self._in_progress:
             return None
         with _lock:
@@ -117,35 +119,76 @@ class _PostImportFinder:
         pass
 
 
-def when_imported(module_name: str, hook: Hook) -> None:
-    """Call ``hook(module)`` once ``module_name`` has been imported (now, if it already is)."""
+def _fire(callback: Optional[Callable[[], None]]) -> None:
+    if callback is None:
+        return
+    with _lock:
+        for name in [n for n, c in _triggers.items() if c is callback]:
+            del _triggers[name]
+    try:
+        callback()
+    except Exception as exc:  # never break the user's import
+        _log_hook_error("(before import)", callback, exc)
+
+
+def before_first_import(names: Tuple[str, ...], callback: Callable[[], None]) -> None:
+    """Call ``callback()`` once, just before the first of the top-level packages ``names`` is
+    imported (now, if one of them already is). It may register :func:`when_imported` hooks for
+    modules of those packages: they are in place before the package runs."""
+    if any(name in sys.modules for name in names):
+        _fire(callback)
+        return
+    with _lock:
+        for name in names:
+            _triggers[name] = callback
+        _install_finder()
+
+
+def cancel_before_first_import(callback: Callable[[], None]) -> None:
+    with _lock:
+        for name in [n for n, c in _triggers.items() if c is callback]:
+            del _triggers[name]
+
+
+def _install_finder() -> None:
     global _finder
+    if _finder is None or _finder not in sys.meta_path:
+        _finder = _finder or _PostImportFinder()
+        sys.meta_path.insert(0, _finder)
+
+
+def when_imported(module_name: str, hook: Hook, on_error: Optional[ErrorHandler] = None) -> None:
+    """Call ``hook(module)`` once ``module_name`` has been imported (now, if it already is).
+
+    ``on_error(module name, hook, exception)`` is called when the hook raises ``Exception``; it
+    may raise in turn to fail the import. By default the error is logged and the import goes on.
+    """
+    handler = on_error or _log_hook_error
     module = sys.modules.get(module_name)
     if module is not None and not _is_initialising(module):
         try:
             hook(module)
         except Exception as exc:
-            on_error(module_name, hook, exc)
+            handler(module_name, hook, exc)
         return
     with _lock:
-        _hooks.setdefault(module_name, []).append(hook)
-        if _finder is None or _finder not in sys.meta_path:
-            _finder = _finder or _PostImportFinder()
-            sys.meta_path.insert(0, _finder)
+        _hooks.setdefault(module_name, []).append((hook, handler))
+        _install_finder()
 
 
 def cancel(hook: Hook) -> None:
     """Forget a hook that has not fired yet (used by ``uninstall``)."""
     with _lock:
         for name in list(_hooks):
-            _hooks[name] = [h for h in _hooks[name] if h is not hook]
+            _hooks[name] = [(h, e) for h, e in _hooks[name] if h is not hook]
             if not _hooks[name]:
                 del _hooks[name]
 
 
-def pending_modules() -> list:
+def waiting() -> int:
+    """How many hooks and triggers wait for their module (0 after a complete ``uninstall``)."""
     with _lock:
-        return sorted(_hooks)
+        return sum(len(hooks) for hooks in _hooks.values()) + len(_triggers)
 
 
 def _is_initialising(module: Any) -> bool:

@@ -6,17 +6,23 @@ is armed is decided by the matrix rows, never by the shim itself.
 
 A wrapper has wrapt's signature ``wrapper(wrapped, instance, args, kwargs)``: ``wrapped`` is the
 original callable (already bound for methods), ``instance`` the object a method was called on (or
-None). The engine guards every call: when the wrapper's own repair logic raises, the error is
-logged once and the original is called unchanged (or its result returned, if it already ran);
-exceptions raised by the original itself always propagate untouched.
+None). A wrapper marked with :func:`with_context` takes the shim's :class:`ShimContext` first:
+``wrapper(context, wrapped, instance, args, kwargs)``; it is how a wrapper keeps state between
+calls, reads strict mode and reports, without reaching for process-wide globals. The engine
+guards every call: when the wrapper's own repair logic raises, the error is logged once and the
+original is called unchanged (or its result returned, if it already ran); exceptions raised by
+the original itself always propagate untouched.
 """
 
 from __future__ import annotations
 
-# typing costs ~20 ms to import; annotations are strings here, so it is only needed by type checkers
+# ``typing`` costs ~20 ms to import and this package may be imported at every interpreter start
+# (DEVMAP_SHIMS=1): annotations are strings (``from __future__ import annotations``) and typing is
+# imported only when a type checker runs, which treats ``TYPE_CHECKING`` as true. Every module of
+# the package that runs at start-up uses this idiom.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Callable, Mapping, Tuple, Union
+    from typing import Any, Callable, Iterable, Mapping, Optional, Tuple, Union
 
     Wrapper = Callable[[Callable[..., Any], Any, Tuple[Any, ...], dict], Any]
     #: A wrapper, or a lazy ``"package.module:function"`` reference to one (imported only when its
@@ -117,9 +123,20 @@ class Shim(_Record):
         Dynamo skips or crashes on wrapt proxies.
     summary:
         One line for ``doctor`` and ``matrix``.
+    state:
+        A factory (a class, ``dict`` ...) for the state the shim's wrappers share between calls,
+        reached through :class:`ShimContext.state`. The engine makes a fresh one at every
+        ``install()`` and drops it at ``uninstall()``.
+    more_targets:
+        A function (or lazy ``"module:function"`` reference) returning more :class:`Target`\ s,
+        called once, when the shim's first target is armed: for targets that depend on the
+        installed library's files (the model classes that override ``generate``), found only where
+        the bug applies and only once the library is being imported.
     """
 
-    __slots__ = ("id", "fixes", "targets", "wrapper", "compile_reachable", "summary", "source")
+    __slots__ = (
+        "id", "fixes", "targets", "wrapper", "compile_reachable", "summary", "source", "state", "more_targets",
+    )
     id: str
     fixes: Tuple[str, ...]
     targets: Tuple[Target, ...]
@@ -127,6 +144,8 @@ class Shim(_Record):
     compile_reachable: bool
     summary: str
     source: str
+    state: Optional[Callable[[], Any]]
+    more_targets: Union[str, Callable[[], Iterable[Target]], None]
 
     def __init__(
         self,
@@ -138,6 +157,8 @@ class Shim(_Record):
         compile_reachable: bool = False,
         summary: str = "",
         source: str = "builtin",
+        state: Optional[Callable[[], Any]] = None,
+        more_targets: Union[str, Callable[[], Iterable[Target]], None] = None,
     ) -> None:
         if isinstance(fixes, str):
             fixes = (fixes,)
@@ -149,6 +170,8 @@ class Shim(_Record):
             compile_reachable=bool(compile_reachable),
             summary=summary,
             source=source,
+            state=state,
+            more_targets=more_targets,
         )
 
     @property
@@ -170,7 +193,23 @@ class Shim(_Record):
         return ref
 
 
-def resolve_ref(ref: WrapperRef) -> Wrapper:
+def with_context(wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``wrapper`` as taking the shim's :class:`ShimContext` before wrapt's four arguments::
+
+        @with_context
+        def repair(context, wrapped, instance, args, kwargs):
+            context.state.calls += 1
+            ...
+    """
+    wrapper.__devmap_context__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def takes_context(wrapper: Any) -> bool:
+    return bool(getattr(wrapper, "__devmap_context__", False))
+
+
+def resolve_ref(ref: Any) -> Any:
     """Import a lazy ``"module:function"`` reference (or return a callable as is)."""
     if callable(ref):
         return ref

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
-# typing costs ~20 ms to import; annotations are strings here, so it is only needed by type checkers
-TYPE_CHECKING = False
+
+TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
     from typing import Any, Dict, List
 
@@ -26,23 +26,28 @@ def _shim_state(entry: reg.ShimEntry) -> str:
     return reg.SKIPPED
 
 
-def collect() -> Dict[str, Any]:
-    registry = reg.REGISTRY
+def collect(engine: Any) -> Dict[str, Any]:
+    """The state of ``engine`` (a :class:`devmap_shims.shims.engine.Engine`) as plain data."""
+    from devmap_shims.versions import TARGET_DISTRIBUTIONS
+
+    registry = engine.registry
     with registry.lock:
         shims: List[Dict[str, Any]] = []
         for shim_id, entry in registry.shims.items():
             try:
                 applies, why = registry.decide(entry)
+                not_present = registry.not_present(entry)
             except Exception as exc:  # a broken matrix must not break status()
                 applies, why = False, f"could not evaluate: {type(exc).__name__}: {exc}"
+                not_present = None
             targets = []
             for target_entry in entry.targets:
                 data = target_entry.as_dict()
-                if target_entry.state == reg.PENDING and not applies and not entry.forced:
-                    data["state"], data["reason"] = reg.SKIPPED, f"bug not present here: {why}"
+                if target_entry.state == reg.PENDING and not_present:  # decided already, armed never
+                    data["state"], data["reason"] = reg.SKIPPED, not_present
                 targets.append(data)
             state = _shim_state(entry)
-            if state == reg.PENDING and not applies and not entry.forced:
+            if state == reg.PENDING and not_present:
                 state = reg.SKIPPED
             shims.append(
                 {
@@ -59,17 +64,17 @@ def collect() -> Dict[str, Any]:
                     "targets": targets,
                 }
             )
-        versions = dict(registry.versions()) if registry.installed else _versions_only()
+        versions = dict(registry.versions()) if engine.installed else _versions_only()
         return {
             "schema_version": SCHEMA_VERSION,
-            "installed": registry.installed,
+            "installed": engine.installed,
             "strict": registry.strict,
-            "killed": registry.killed,
-            "auto_enabled": bool(registry.options.get("auto")),
+            "killed": engine.killed,
+            "auto_enabled": bool(engine.options.get("auto")),
             "environment": {k: v for k, v in os.environ.items() if k.startswith("DEVMAP_SHIMS")},
             "versions": versions,
-            "imported_before_install": list(registry.imported_before_install),
-            "imported_now": sorted(m for m in ("torch", "transformers", "accelerate", "bitsandbytes", "diffusers") if m in sys.modules),
+            "imported_before_install": list(engine.imported_before_install),
+            "imported_now": sorted(m for m in TARGET_DISTRIBUTIONS if m in sys.modules),
             "shims": shims,
             "warnings": list(registry.warnings),
         }

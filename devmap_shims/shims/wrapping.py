@@ -19,8 +19,7 @@ from __future__ import annotations
 import functools
 import sys
 from types import ModuleType
-# typing costs ~20 ms to import; annotations are strings here, so it is only needed by type checkers
-TYPE_CHECKING = False
+TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -35,8 +34,30 @@ def devmap_wrapper_type() -> type:
     if _wrapper_type is None:
         import wrapt
 
+        class DevmapBoundFunctionWrapper(wrapt.BoundFunctionWrapper):  # type: ignore[misc, name-defined]
+            """Our layer as read from an instance or a class (``model.generate``, ``Model.from_pretrained``)."""
+
+            def __reduce_ex__(self, protocol: int) -> Any:
+                # As the original's bound (or plain) function pickles: by reference, getattr(owner, name).
+                holder = self._self_instance if self._self_instance is not None else self._self_owner
+                return getattr, (holder, self.__wrapped__.__name__)
+
+            def __copy__(self) -> Any:
+                return self
+
+            def __deepcopy__(self, memo: Any) -> Any:
+                return self  # functions and methods are copied as themselves
+
         class DevmapFunctionWrapper(wrapt.FunctionWrapper):  # type: ignore[misc, name-defined]
             """A devmap_shims layer. Recognised by ``type(x) is DevmapFunctionWrapper``."""
+
+            __bound_function_wrapper__ = DevmapBoundFunctionWrapper
+
+            def __copy__(self) -> Any:
+                return self
+
+            def __deepcopy__(self, memo: Any) -> Any:
+                return self  # functions are copied as themselves
 
             def __reduce_ex__(self, protocol: int) -> Any:
                 # Pickle by reference, as the original function would be: the module attribute
@@ -66,13 +87,23 @@ def resolve(module: ModuleType, qualname: str) -> Tuple[Any, str, Any]:
         for klass in owner.__mro__:
             if name in vars(klass):
                 if klass is not owner:
-                    # Inherited: wrap where it is defined, so every subclass sees the fix.
+                    # Inherited: wrap where it is defined, so every subclass sees the fix; but never
+                    # in another library (diffusers 0.27's ModelMixin.to is torch.nn.Module.to).
+                    if _top(klass.__module__) != _top(module.__name__):
+                        raise AttributeError(
+                            f"{module.__name__}.{qualname} is inherited from {klass.__module__}."
+                            f"{klass.__qualname__} in this release"
+                        )
                     owner = klass
                 return owner, name, vars(klass)[name]
         raise AttributeError(f"{module.__name__}.{qualname} does not exist")
     if name not in vars(owner):
         raise AttributeError(f"{module.__name__}.{qualname} does not exist")
     return owner, name, vars(owner)[name]
+
+
+def _top(module_name: str) -> str:
+    return (module_name or "").partition(".")[0]
 
 
 def callable_of(raw: Any) -> Any:
@@ -134,6 +165,11 @@ def owned_original(obj: Any) -> Any:
 
 def is_ours(obj: Any) -> bool:
     return owned_original(obj) is not None
+
+
+def layers_in_place() -> int:
+    """How many of our layers exist (0 after a complete ``uninstall``)."""
+    return len(_OURS)
 
 
 def splice_out(owner: Any, name: str, layer: Any, original: Any) -> str:

@@ -1,0 +1,180 @@
+"""Arming: from a registered (shim, target) pair to a layer on the target, and back.
+
+:func:`watch` registers a post-import hook per pending target; the hook (:func:`arm`) runs when
+the target's module has been imported and wraps the target if the matrix says its bug applies
+(or the shim is forced), the consumer versions match the target's ``when``, the target exists and
+its signature has the parameters the wrapper expects. Every "no" is recorded as the target's
+reason. :func:`unwatch_and_unwrap` takes our layers off again, last on first off.
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
+if TYPE_CHECKING:
+    from typing import Any, List
+
+from devmap_shims.shims import importhook
+from devmap_shims.shims.guard import bind_context, guarded_call
+from devmap_shims.shims.record import resolve_ref
+from devmap_shims.shims.registry import (
+    ACTIVE,
+    FAILED,
+    PENDING,
+    SKIPPED,
+    Registry,
+    ShimEntry,
+    ShimError,
+    TargetEntry,
+    logger,
+)
+
+
+def arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
+    """Post-import hook body: wrap ``entry``'s target in ``module`` if everything says so."""
+    shim = entry.shim_entry.shim
+    with registry.lock:
+        if entry.state != PENDING or registry.shims.get(shim.id) is not entry.shim_entry:
+            return  # uninstalled meanwhile, or already decided
+        try:
+            _arm(registry, entry, module)
+        except Exception as exc:
+            entry.state = FAILED
+            entry.error = f"{type(exc).__name__}: {exc}"
+            entry.reason = f"could not wrap {entry.target.key}"
+            message = (
+                f"shim {shim.id!r} could not wrap {entry.target.key} ({entry.error}); "
+                "the library runs unpatched. Report this with `devmap-shims doctor --json`."
+            )
+            if registry.strict:
+                raise ShimError(message) from exc
+            registry.warn(message)
+
+
+def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
+    import inspect
+
+    from devmap_shims.shims import wrapping
+    from devmap_shims.versions import satisfies
+
+    shim_entry = entry.shim_entry
+    shim = shim_entry.shim
+    target = entry.target
+    applies, why = registry.decide(shim_entry)
+    not_present = registry.not_present(shim_entry)
+    if not_present:
+        entry.state, entry.reason = SKIPPED, not_present
+        return
+    if shim.more_targets is not None and not shim_entry.expanded:
+        _expand(registry, shim_entry)
+    if target.when:
+        ok, why_when = satisfies(registry.versions(), target.when)
+        if not ok:
+            entry.state, entry.reason = SKIPPED, f"target not used on this stack ({why_when})"
+            return
+    try:
+        owner, name, raw = wrapping.resolve(module, target.qualname)
+    except AttributeError as exc:
+        entry.state, entry.reason = SKIPPED, f"target missing: {exc} (the library changed; shim not applied)"
+        return
+    existing = wrapping.owned_original(raw)
+    live = any(t.layer is raw and t.state == ACTIVE for t in registry.target_entries())
+    if existing is not None and not live:  # a layer left by an earlier install: keep the first original
+        raw = existing
+    func = wrapping.callable_of(raw)
+    if target.expect_params:
+        try:
+            params = set(inspect.signature(func).parameters)
+        except (TypeError, ValueError):
+            params = set()
+        missing = [p for p in target.expect_params if p not in params]
+        if missing:
+            entry.state = SKIPPED
+            entry.reason = (
+                f"signature drift: {target.key} has no parameter(s) {', '.join(missing)}; "
+                "shim not applied"
+            )
+            return
+    repair = bind_context(wrapper_of(shim, target), shim_entry.context)
+    guarded = guarded_call(registry, entry, repair)
+    if shim.compile_reachable:
+        layer = wrapping.make_plain(raw, guarded, owner)
+    else:
+        layer = wrapping.make_proxy(raw, guarded)
+    wrapping.remember(layer, raw)
+    setattr(owner, name, layer)
+    entry.owner, entry.name, entry.original, entry.layer = owner, name, raw, layer
+    registry.armed_count += 1
+    entry.seq = registry.armed_count
+    if not isinstance(owner, type):
+        entry.rebound = wrapping.rebind_aliases(raw, layer)
+    entry.state = ACTIVE
+    entry.reason = "forced outside its range" if not applies else why
+    logger().info("devmap_shims: %s active on %s (fixes %s)", shim.id, target.key, ", ".join(shim.fixes))
+
+
+def wrapper_of(shim: Any, target: Any) -> Any:
+    """The wrapper ``shim`` declares for ``target``, imported if it is a lazy reference."""
+    return resolve_ref(shim.wrapper_for(target))
+
+
+def _expand(registry: Registry, shim_entry: ShimEntry) -> None:
+    """Add and watch the targets ``Shim.more_targets`` finds (once per install)."""
+    shim_entry.expanded = True
+    shim = shim_entry.shim
+    try:
+        more = list(resolve_ref(shim.more_targets)())
+    except Exception as exc:
+        registry.warn(
+            f"shim {shim.id!r} could not list its further targets ({type(exc).__name__}: {exc}); "
+            "its declared targets are still wrapped"
+        )
+        return
+    known = {t.target.key for t in shim_entry.targets}
+    added = [TargetEntry(shim_entry, t) for t in more if t.key not in known]
+    shim_entry.targets.extend(added)
+    _watch_entries(registry, added)
+
+
+def watch(registry: Registry) -> None:
+    """Register the post-import hooks of every selected target (arming those already imported)."""
+    _watch_entries(registry, registry.target_entries())
+
+
+def _watch_entries(registry: Registry, entries: List[TargetEntry]) -> None:
+    def on_error(module_name: str, hook: Any, exc: BaseException) -> None:
+        if isinstance(exc, ShimError):
+            raise exc  # strict mode: the import fails with the shim's error
+        registry.warn(f"post-import hook for {module_name} failed ({type(exc).__name__}: {exc}); import went on")
+
+    for target_entry in entries:
+        if target_entry.state != PENDING or target_entry.hook is not None:
+            continue
+
+        def hook(module: Any, _entry: TargetEntry = target_entry) -> None:
+            arm(registry, _entry, module)
+
+        target_entry.hook = hook
+        importhook.when_imported(target_entry.target.module, hook, on_error)
+
+
+def unwatch_and_unwrap(registry: Registry) -> None:
+    from devmap_shims.shims import wrapping
+
+    for target_entry in sorted(registry.target_entries(), key=lambda t: -t.seq):  # outer layer first
+        if target_entry.hook is not None:
+            importhook.cancel(target_entry.hook)
+        if target_entry.layer is None:
+            continue
+        outcome = wrapping.splice_out(
+            target_entry.owner, target_entry.name, target_entry.layer, target_entry.original
+        )
+        wrapping.restore_aliases(target_entry.rebound, target_entry.original, target_entry.layer)
+        if outcome == "buried":
+            target_entry.enabled = False  # stays in the call chain, does nothing
+            registry.warn(
+                f"{target_entry.target.key}: a foreign wrapper holds devmap_shims' layer inside a "
+                "closure; it was switched off instead of removed"
+            )
+        else:
+            wrapping.forget(target_entry.layer)
+

@@ -1,0 +1,277 @@
+"""The engine's lifecycle: ``install``, ``uninstall``, ``register`` and ``reset`` on one object.
+
+:data:`ENGINE` is the process's engine; ``devmap_shims.install()`` and friends call its methods.
+An install selects shims (built-in, plugin and registered ones) into a fresh :class:`Registry`
+(each with a fresh :class:`ShimContext`), then registers post-import hooks; uninstall takes every
+layer off and drops the registry's entries, and so every shim's state.
+
+The built-in shim modules are imported only when they can matter: at ``install()`` if a target
+library (torch & co., or one with a folder under ``hooks/``) is already imported, else just before
+the first one is (a process that never imports them never pays for the shims), or when
+``status()`` asks.
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
+if TYPE_CHECKING:
+    from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from devmap_shims.shims.record import Shim
+from devmap_shims.shims.registry import Registry, logger
+from devmap_shims.versions import TARGET_DISTRIBUTIONS
+
+
+def _as_tuple(ids: Optional[Iterable[str]]) -> Optional[Tuple[str, ...]]:
+    if ids is None:
+        return None
+    if isinstance(ids, str):
+        return (ids,)
+    return tuple(ids)
+
+
+class Engine:
+    """Process-wide state behind ``install()``, ``uninstall()``, ``register()`` and ``status()``."""
+
+    def __init__(self) -> None:
+        self.registry = Registry()
+        self.installed = False
+        self.killed = False
+        self.options: Dict[str, Any] = {}
+        self.imported_before_install: List[str] = []
+        #: shims and rows given to :meth:`register`, kept across install/uninstall
+        self.registered: List[Shim] = []
+        self.registered_rows: List[Dict[str, Any]] = []
+        self._selection: Dict[str, Any] = {}  # how install() selects, kept for the built-in shims
+        self._builtins_loaded = False
+
+    @property
+    def lock(self) -> Any:
+        return self.registry.lock
+
+    # -- install -----------------------------------------------------------------------------------
+    def install(
+        self,
+        only: Optional[Iterable[str]] = None,
+        exclude: Optional[Iterable[str]] = None,
+        force: Optional[Iterable[str]] = None,
+        strict: Optional[bool] = None,
+        *,
+        plugins: Optional[bool] = None,
+        auto: bool = False,
+    ) -> bool:
+        """See :func:`devmap_shims.install`."""
+        from devmap_shims.shims import catalog, config, importhook
+
+        settings = config.read_settings()
+        configure_logging(settings.log_level)
+        registry = self.registry
+        strict_mode = settings.strict if strict is None else bool(strict)
+        with registry.lock:
+            for problem in settings.problems:
+                registry.warn(problem)
+            if settings.killed:
+                self.killed = True
+                logger().info("devmap_shims: DEVMAP_SHIMS=0, shims not installed")
+                return False
+            requested = {
+                "only": _as_tuple(only),
+                "exclude": _as_tuple(exclude) or (),
+                "force": _as_tuple(force) or (),
+                "strict": strict_mode,
+                "plugins": plugins,
+            }
+            if self.installed:
+                if not auto and not self.options.get("auto") and requested != self.options.get("requested"):
+                    registry.warn(
+                        "install() was already called with other arguments; call devmap_shims.uninstall() "
+                        "first to change them"
+                    )
+                return True
+            use_plugins = (not settings.no_plugins) if plugins is None else bool(plugins)
+            builtin_ids = list(catalog.builtin_ids())
+            others, rows, problems = self._gather(use_plugins, builtin_ids)
+            known = builtin_ids + [s.id for s in others]
+            problems += config.unknown_id_problems(settings, known)
+            self._selection = {
+                "only": None if requested["only"] is None else set(requested["only"]),
+                "exclude": set(requested["exclude"]) | set(settings.disable),
+                "force": set(requested["force"]) | set(settings.force),
+                "disable_all": settings.disable_all,
+            }
+            id_problems = _id_problems(known, requested)  # the environment's ids were checked above
+            if id_problems and strict_mode:
+                raise ValueError("; ".join(id_problems))
+            for problem in problems + id_problems:
+                registry.warn(problem)
+            registry.strict = strict_mode
+            registry.extra_rows = rows
+            registry.shims = {}
+            registry.reset_knowledge()
+            for shim in others:
+                self._add(shim)
+            self.options = {"requested": requested, "auto": auto, "settings": settings.as_dict()}
+            self.installed = True
+            self.killed = False
+            self._builtins_loaded = False
+            if registry.shims:
+                self._watch()
+            # the built-in shims target these packages' modules (the contract test holds them to it)
+            triggers = tuple(TARGET_DISTRIBUTIONS) + tuple(catalog.libraries())
+            importhook.before_first_import(triggers, self.load_builtins)
+            self.imported_before_install = self._imported_targets()
+        return True
+
+    def load_builtins(self) -> None:
+        """Import the built-in shim modules and arm their shims (once per install). Called just
+        before a target library is first imported, at ``install()`` if one already is, and by
+        :meth:`status`. Never raises: a shim module that fails to import is reported and skipped."""
+        from devmap_shims.shims import catalog
+
+        registry = self.registry
+        with registry.lock:
+            if not self.installed or self._builtins_loaded:
+                return
+            self._builtins_loaded = True
+            try:
+                shims, problems = catalog.builtin_shims()
+            except Exception as exc:  # pragma: no cover - the catalog itself broken
+                shims, problems = [], [f"the built-in shims could not be listed ({type(exc).__name__}: {exc})"]
+            for problem in problems:
+                registry.warn(problem)
+            others = registry.shims
+            registry.shims = {}
+            for shim in shims:
+                self._add(shim)
+            registry.shims.update(others)  # built-in shims first, as status() lists them
+            registry.reset_knowledge()
+            self._watch()
+
+    def _watch(self) -> None:
+        from devmap_shims.shims import arming
+
+        arming.watch(self.registry)
+
+    def _imported_targets(self) -> List[str]:
+        import sys
+
+        modules = sorted({t.target.module for t in self.registry.target_entries()})
+        return [m for m in modules if m in sys.modules]
+
+    def _gather(self, use_plugins: bool, builtin_ids: List[str]) -> Tuple[List[Shim], List[Dict[str, Any]], List[str]]:
+        """The shims that are not built in (plugins', registered ones) and every extra matrix row."""
+        shims: List[Shim] = []
+        rows: List[Dict[str, Any]] = []
+        problems: List[str] = []
+        if use_plugins:
+            from devmap_shims.shims import plugins
+
+            rows, row_problems = plugins.plugin_rows()
+            shims, shim_problems = plugins.plugin_shims(builtin_ids, [r["id"] for r in rows])
+            problems += row_problems + shim_problems
+        rows = rows + [dict(r) for r in self.registered_rows]
+        known = set(builtin_ids) | {s.id for s in shims}
+        shims.extend(s for s in self.registered if s.id not in known)
+        return shims, rows, problems
+
+    def _add(self, shim: Shim) -> None:
+        """A registry entry for ``shim``, selected as install() was asked to."""
+        selection = self._selection
+        why_not = ""
+        if selection.get("disable_all"):
+            why_not = "disabled by DEVMAP_SHIMS_DISABLE=*"
+        elif selection.get("only") is not None and shim.id not in selection["only"]:
+            why_not = "not in install(only=...)"
+        elif shim.id in selection.get("exclude", ()):
+            why_not = "excluded by the user"
+        self.registry.add(shim, selected=not why_not, why_not=why_not, forced=shim.id in selection.get("force", ()))
+
+    # -- uninstall / register / reset ---------------------------------------------------------------
+    def uninstall(self) -> bool:
+        """See :func:`devmap_shims.uninstall`."""
+        from devmap_shims.shims import arming, importhook
+
+        registry = self.registry
+        with registry.lock:
+            if not self.installed:
+                return False
+            importhook.cancel_before_first_import(self.load_builtins)
+            arming.unwatch_and_unwrap(registry)
+            self.installed = False
+            registry.shims = {}  # drops every shim's context, and so its state
+            self.options = {}
+            self.imported_before_install = []
+        return True
+
+    def register(self, shim: Shim, matrix_rows: Iterable[Dict[str, Any]] = ()) -> None:
+        """See :func:`devmap_shims.register`."""
+        if not isinstance(shim, Shim):
+            raise TypeError(f"register() takes a devmap_shims.Shim, not {type(shim).__name__}")
+        registry = self.registry
+        with registry.lock:
+            if any(s.id == shim.id for s in self.registered) or shim.id in registry.shims:
+                raise ValueError(f"a shim with id {shim.id!r} is already registered")
+            rows = [dict(r, source=r.get("source", f"register({shim.id!r})")) for r in matrix_rows]
+            self.registered.append(shim)
+            self.registered_rows.extend(rows)
+            if self.installed:
+                registry.extra_rows = registry.extra_rows + [dict(r) for r in rows]
+                registry.reset_knowledge()
+                self._add(shim)
+                self._watch()
+
+    def reset(self) -> None:
+        """Back to a fresh process's state: uninstalled, nothing registered, no warnings, no kill
+        switch, not strict. For tests of code that installs shims."""
+        with self.registry.lock:
+            self.uninstall()
+            self.registered.clear()
+            self.registered_rows.clear()
+            self.registry = Registry()
+            self.killed = False
+
+    def status(self) -> Dict[str, Any]:
+        """See :func:`devmap_shims.status`."""
+        from devmap_shims.shims.status import collect
+
+        self.load_builtins()
+        return collect(self)
+
+
+def _id_problems(known: List[str], requested: Dict[str, Any]) -> List[str]:
+    """One message per id in install(only/exclude/force=...) that names no shim."""
+    problems = []
+    for name in ("only", "exclude", "force"):
+        for shim_id in requested[name] or ():
+            if shim_id not in known:
+                close = _close(shim_id, known)
+                problems.append(
+                    f"install({name}=...) names unknown shim {shim_id!r}"
+                    + (f"; did you mean {close!r}?" if close else f"; known shims: {', '.join(sorted(known))}")
+                )
+    return problems
+
+
+def _close(name: str, known: List[str]) -> Optional[str]:
+    import difflib
+
+    match = difflib.get_close_matches(name, known, n=1)
+    return match[0] if match else None
+
+
+def configure_logging(level: Optional[str]) -> None:
+    """Give the ``devmap_shims`` logger ``level`` and a stderr handler (``DEVMAP_SHIMS_LOG``)."""
+    if not level:
+        return
+    import logging
+
+    log = logging.getLogger("devmap_shims")
+    log.setLevel(level.upper())
+    if not any(getattr(h, "_devmap_shims", False) for h in log.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler._devmap_shims = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+
+
+ENGINE = Engine()

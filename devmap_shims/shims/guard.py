@@ -1,0 +1,102 @@
+"""The call-time guard around a shim's repair: fail open, never swallow the library's own errors.
+
+When the repair itself raises, the shim is switched off, one warning names it, and the call goes
+on as the library would run it: the original's result if it already ran, else a plain call of the
+original. An error raised by the original always reaches the caller unchanged. In strict mode a
+failing repair raises :class:`ShimError` instead.
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, Optional, Tuple
+
+from devmap_shims.shims.record import takes_context
+from devmap_shims.shims.registry import ACTIVE, FAILED, Registry, ShimError, TargetEntry
+
+
+def bind_context(repair: Callable[..., Any], context: Any) -> Callable[..., Any]:
+    """``repair`` with wrapt's four-argument signature: a :func:`with_context` wrapper gets
+    ``context`` bound in front."""
+    if takes_context(repair):
+
+        def with_its_context(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+            return repair(context, wrapped, instance, args, kwargs)
+
+        return with_its_context
+    return repair
+
+
+def guarded_call(registry: Registry, entry: TargetEntry, repair: Callable[..., Any]) -> Callable[..., Any]:
+    """The function our layer calls: ``repair`` (wrapt's signature) behind the guard."""
+
+    def guarded(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        if not entry.enabled or entry.state != ACTIVE:
+            return wrapped(*args, **kwargs)
+        call = _OriginalCall(wrapped)
+        try:
+            return repair(call, instance, args, kwargs)
+        except BaseException as exc:
+            if call.raised is not None:  # the library's own error: always the library's
+                if exc is call.raised:
+                    raise
+                raise call.raised from None
+            if isinstance(exc, (KeyboardInterrupt, SystemExit, ShimError)):
+                raise  # ShimError: a repair refusing on purpose (strict mode), not a broken repair
+            _repair_failed(registry, entry, exc)
+            if call.called:
+                return call.result
+            return wrapped(*args, **kwargs)
+
+    return guarded
+
+
+def _repair_failed(registry: Registry, entry: TargetEntry, exc: BaseException) -> None:
+    shim_entry = entry.shim_entry
+    shim = shim_entry.shim
+    shim_entry.call_failures += 1
+    message = (
+        f"shim {shim.id!r} (fixes {', '.join(shim.fixes)}) failed inside {entry.target.key}: "
+        f"{type(exc).__name__}: {exc}. The call went on without the repair and this shim is now off; "
+        "set DEVMAP_SHIMS_STRICT=1 to raise instead."
+    )
+    if registry.strict:
+        raise ShimError(message) from exc
+    with registry.lock:
+        for target_entry in shim_entry.targets:
+            if target_entry.state == ACTIVE:
+                target_entry.state = FAILED
+                target_entry.error = f"{type(exc).__name__}: {exc}"
+                target_entry.reason = "repair raised at call time"
+        if not shim_entry.warned:
+            shim_entry.warned = True
+            registry.warn(message)
+
+
+class _OriginalCall:
+    """Calls the original and remembers what happened, so the guard can tell whose error it is."""
+
+    __slots__ = ("wrapped", "called", "result", "raised")
+
+    def __init__(self, wrapped: Callable[..., Any]) -> None:
+        self.wrapped = wrapped
+        self.called = False
+        self.result: Any = None
+        self.raised: Optional[BaseException] = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.called = True
+        try:
+            self.result = self.wrapped(*args, **kwargs)
+        except BaseException as exc:
+            self.raised = exc
+            raise
+        return self.result
+
+    def __getattr__(self, name: str) -> Any:
+        # Look like the original to the repair (inspect.signature, __wrapped__, __self__ ...).
+        # Own slots are never delegated: tracers such as Dynamo probe them before __init__ ran.
+        if name in _OriginalCall.__slots__:
+            raise AttributeError(name)
+        return getattr(self.wrapped, name)

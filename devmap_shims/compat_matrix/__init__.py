@@ -1,9 +1,10 @@
 """The compat matrix: known device-placement bugs as data, and the queries on it.
 
 ``known_bugs.toml`` next to this file holds one ``[[bug]]`` row per bug: which versions it
-affects, what the user sees, why it happens, the upstream threads, and the shim (or workaround)
-that deals with it. A row applies when *every* ``affected`` range holds for the installed
-versions; shims are armed from rows, never on their own judgement.
+affects, what the user sees, why it happens, the upstream threads, and what a user can do about
+it without devmap-shims. A row applies when *every* ``affected`` range holds for the installed
+versions; shims are armed from rows, never on their own judgement. Which shim fixes a row is said
+once, by the shim (``Shim.fixes``); listings take it from there.
 
 >>> from devmap_shims.compat_matrix import load_matrix
 >>> matrix = load_matrix()
@@ -44,6 +45,7 @@ __all__ = [
     "Matrix",
     "MatrixError",
     "load_matrix",
+    "read_toml",
     "render_markdown",
     "row_to_dict",
 ]
@@ -70,9 +72,8 @@ class BugRow:
     root_cause: str
     upstream: tuple[str, ...]
     verification: tuple[str, ...]
+    workaround: str
     last_checked: str | None = None
-    shim: str | None = None
-    workaround: str | None = None
     no_scenario: str | None = None
     notes: str | None = None
     source: str = BUILTIN_SOURCE
@@ -177,10 +178,6 @@ class Matrix:
             versions = installed_versions(self.distributions())
         return [row for row in self.rows if row.applies(versions)]
 
-    def for_shim(self, shim_id: str) -> list[BugRow]:
-        """Rows that name ``shim_id`` as their fix."""
-        return [row for row in self.rows if row.shim == shim_id]
-
     def for_library(self, library: str) -> list[BugRow]:
         """Rows whose bug lives in ``library`` (case-insensitive)."""
         wanted = library.lower()
@@ -194,13 +191,12 @@ class Matrix:
         """Every distribution an ``affected`` range names, sorted (the versions worth reading)."""
         return tuple(sorted({dist for row in self.rows for dist in row.affected}))
 
-    def shim_ids(self) -> tuple[str, ...]:
-        """Every shim id the rows refer to, sorted."""
-        return tuple(sorted({row.shim for row in self.rows if row.shim}))
 
 
 # -- loading ------------------------------------------------------------------------------------
-def _parse_toml(data: bytes, label: str) -> Any:
+def read_toml(data: bytes, label: str) -> Any:
+    """The TOML document in ``data``; MatrixError naming ``label`` (a file or plugin) when it is not
+    valid TOML."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python < 3.11
@@ -216,7 +212,7 @@ def _rows_from_file(path: Path, label: str, origin: str) -> tuple[BugRow, ...]:
         data = path.read_bytes()
     except OSError as exc:
         raise MatrixError(label, f"cannot read the matrix file: {exc}") from None
-    tables = parse_document(_parse_toml(data, label), source=label)
+    tables = parse_document(read_toml(data, label), source=label)
     rows = tuple(
         parse_row(table, source=label, index=i, row_type=BugRow, origin=origin)
         for i, table in enumerate(tables, 1)
@@ -311,12 +307,13 @@ _DICT_KEYS = (
 )
 
 
-def row_to_dict(row: BugRow) -> dict[str, Any]:
-    """Plain JSON-ready data for ``row``. Keys are always the same, in the same order; an absent
-    optional field is None, ``fixed_in`` is ``{distribution: version}`` or ``"unfixed"``."""
+def row_to_dict(row: BugRow, shim: str | None = None) -> dict[str, Any]:
+    """Plain JSON-ready data for ``row``, with ``shim``, the id of the shim that fixes it (None:
+    none does). Keys are always the same, in the same order; an absent optional field is None,
+    ``fixed_in`` is ``{distribution: version}`` or ``"unfixed"``."""
     value: dict[str, Any] = {}
     for key in _DICT_KEYS:
-        item = getattr(row, key)
+        item = shim if key == "shim" else getattr(row, key)
         if isinstance(item, Mapping):
             item = dict(item)
         elif isinstance(item, tuple):
@@ -325,8 +322,9 @@ def row_to_dict(row: BugRow) -> dict[str, Any]:
     return value
 
 
-def render_markdown(matrix: Matrix) -> str:
-    """COMPAT.md: a summary table and one section per row. Deterministic for a given matrix."""
+def render_markdown(matrix: Matrix, shim_of: Mapping[str, str] | None = None) -> str:
+    """COMPAT.md: a summary table and one section per row, naming the shim of each row from
+    ``shim_of`` (row id -> shim id). Deterministic for given arguments."""
     from devmap_shims.compat_matrix._markdown import render
 
-    return render(matrix)
+    return render(matrix, shim_of or {})

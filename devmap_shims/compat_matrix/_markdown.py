@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 if TYPE_CHECKING:
     from devmap_shims.compat_matrix import BugRow, Matrix
@@ -44,13 +44,14 @@ def _affected_cell(row: BugRow) -> str:
     return "<br>".join(f"`{_cell(part)}`" for part in _requirements(row))
 
 
-def _summary(matrix: Matrix) -> list[str]:
+def _summary(matrix: Matrix, shim_of: Mapping[str, str]) -> list[str]:
     lines = [
         "| id | library | affected | fixed in | shim or workaround |",
         "|---|---|---|---|---|",
     ]
     for row in matrix:
-        fix = f"shim `{row.shim}`" if row.shim else f"no shim: [workaround](#{row.id})"
+        shim = shim_of.get(row.id)
+        fix = f"shim `{shim}`" if shim else f"no shim: [workaround](#{row.id})"
         lines.append(
             f"| [`{row.id}`](#{row.id}) | {_cell(row.library)} | {_affected_cell(row)} "
             f"| {_cell(row.fixed_in_text)} | {fix} |"
@@ -58,14 +59,14 @@ def _summary(matrix: Matrix) -> list[str]:
     return lines
 
 
-def _section(row: BugRow) -> list[str]:
+def _section(row: BugRow, shim: str | None) -> list[str]:
     from devmap_shims.compat_matrix import BUILTIN_SOURCE, upstream_url
 
     facts = [
         f"- **Library:** {row.library}",
         f"- **Affected:** {', '.join(f'`{part}`' for part in _requirements(row))}",
         f"- **Fixed in:** {row.fixed_in_text}",
-        f"- **Shim:** `{row.shim}`" if row.shim else "- **Shim:** none (see the workaround)",
+        f"- **Shim:** `{shim}`" if shim else "- **Shim:** none (see the workaround)",
         f"- **Verification:** {', '.join(row.verification)}",
     ]
     if row.source != BUILTIN_SOURCE:
@@ -85,7 +86,7 @@ def _section(row: BugRow) -> list[str]:
     return lines
 
 
-def render(matrix: Matrix) -> str:
+def render(matrix: Matrix, shim_of: Mapping[str, str]) -> str:
     lines = [
         "# Compatibility matrix: known device-placement bugs",
         "",
@@ -102,11 +103,11 @@ def render(matrix: Matrix) -> str:
         "",
         "## Summary",
         "",
-        *_summary(matrix),
+        *_summary(matrix, shim_of),
         "",
         "## Bugs",
         "",
     ]
     for row in matrix:
-        lines += _section(row)
+        lines += _section(row, shim_of.get(row.id))
     return "\n".join(lines).rstrip("\n") + "\n"

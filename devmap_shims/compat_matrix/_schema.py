@@ -20,8 +20,9 @@ VERIFICATION_GRADES = ("V-code", "V-run", "V-thread", "I")
 #: ``fixed_in`` value of a bug no release fixes yet.
 UNFIXED = "unfixed"
 
-#: Field name -> required. ``last_checked`` is required when ``fixed_in = "unfixed"`` and
-#: ``workaround`` when there is no ``shim``; both are checked after the per-field checks.
+#: Field name -> required. ``last_checked`` is required when ``fixed_in = "unfixed"`` (checked after
+#: the per-field checks). A row does not name the shim that fixes it: a shim names its rows
+#: (``Shim.fixes``), and listings derive the other direction from the shims.
 FIELDS: dict[str, bool] = {
     "id": True,
     "title": True,
@@ -33,8 +34,7 @@ FIELDS: dict[str, bool] = {
     "root_cause": True,
     "upstream": True,
     "verification": True,
-    "shim": False,
-    "workaround": False,
+    "workaround": True,
     "no_scenario": False,
     "notes": False,
 }
@@ -232,6 +232,12 @@ def parse_row(data: Any, *, source: str, index: int, row_type: Callable[..., Any
     if isinstance(raw_id, str) and raw_id.strip():
         ctx.row_id = raw_id.strip()
     for field in data:
+        if field == "shim":
+            raise ctx.error(
+                field,
+                "rows do not name their shim: the shim lists the rows it fixes (Shim(fixes=...)); "
+                "remove this field",
+            )
         if field not in FIELDS:
             close = difflib.get_close_matches(field, FIELDS, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(FIELDS)}"
@@ -253,19 +259,14 @@ def parse_row(data: Any, *, source: str, index: int, row_type: Callable[..., Any
     }
     if "last_checked" in data:
         values["last_checked"] = _last_checked(ctx, data["last_checked"])
-    if "shim" in data:
-        values["shim"] = _slug(ctx, "shim", data["shim"])
-    for field in ("workaround", "no_scenario", "notes"):
+    values["workaround"] = _text(ctx, "workaround", data["workaround"])
+    for field in ("no_scenario", "notes"):
         if field in data:
             values[field] = _text(ctx, field, data[field])
 
     if values["fixed_in"] == UNFIXED and "last_checked" not in values:
         raise ctx.error(
             "last_checked", 'required when fixed_in = "unfixed": the date the bug was last seen unfixed'
-        )
-    if "shim" not in values and "workaround" not in values:
-        raise ctx.error(
-            "workaround", "required when there is no shim: tell users what to do (usually 'upgrade to X')"
         )
     _check_fix_outside_range(ctx, values["affected"], values["fixed_in"])
     return row_type(**values, source=origin)

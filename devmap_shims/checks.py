@@ -100,17 +100,15 @@ def _home_device(model: Any, torch: Any) -> Any:
 
 def _hook_placement(module: Any, torch: Any) -> Tuple[Optional[Any], bool]:
     """(execution device, offloaded) from accelerate's hook on ``module``, if any."""
-    hook = getattr(module, "_hf_hook", None)
-    if hook is None:
-        return None, False
-    hooks = list(getattr(hook, "hooks", ()) or ()) or [hook]
-    for item in hooks:
-        if type(item).__name__ == "CpuOffload":
+    from devmap_shims.devices import accelerate_hooks
+
+    for hook in accelerate_hooks.hooks_of(module):
+        if accelerate_hooks.is_model_cpu_offload(hook):
             # model CPU offload: the whole model moves at call time; it is checked as one device
             return None, False
-        if getattr(item, "offload", False):
+        if accelerate_hooks.is_offloading(hook):
             return None, True
-        device = getattr(item, "execution_device", None)
+        device = getattr(hook, "execution_device", None)
         if device is not None:
             return _normalize(device, torch), False
     return None, False
@@ -166,7 +164,7 @@ def _check_module(prefix: str, model: Any, torch: Any) -> List[Record]:
 
 def _check_attached(name: str, param: Any, device: Any, torch: Any) -> List[Record]:
     """Quant-state tensors and other tensors stored on a parameter object, against its device."""
-    from devmap_shims.hooks.quant_state import state_tensors
+    from devmap_shims.devices.quant_state import state_tensors
 
     if device.type == "meta":
         return []
@@ -185,7 +183,7 @@ def _check_attached(name: str, param: Any, device: Any, torch: Any) -> List[Reco
 
 def _check_module_state(module_prefix: str, module: Any, torch: Any) -> List[Record]:
     """A ``Linear4bit.quant_state`` that is not the weight's own object (checked there otherwise)."""
-    from devmap_shims.hooks.quant_state import state_tensors
+    from devmap_shims.devices.quant_state import state_tensors
 
     state = module.__dict__.get("quant_state")
     weight = module._parameters.get("weight")

@@ -1,82 +1,36 @@
-"""After a diffusers ``pipe.to()`` / ``model.to()``, bring quantization state to its weights.
-
-Bug ``diffusers-quantized-load-on-current-device`` (huggingface/diffusers#10798, fixed in diffusers
-0.33.0 by huggingface/diffusers#10604): diffusers 0.31-0.32 quantize bitsandbytes components on
-``torch.cuda.current_device()`` (cuda:0), so their quant state is created there; with bitsandbytes
-< 0.45.3 a later ``pipe.to("cuda:1")`` leaves the NF4 ``code`` table behind
-(bnb-quantstate-code-not-moved) and inference fails with "Input tensors need to be on the same GPU".
-Those diffusers releases also refuse ``device_map`` for quantized models (NotImplementedError), so a
-user cannot ask for the load to happen on cuda:1 in the first place.
-
-Repairs:
+"""Shim ``pipeline-to-sweep``: after a diffusers ``pipe.to()`` / ``model.to()``, quantization state
+left on the load GPU joins its weights; a one-GPU ``device_map`` is honoured for quantized loads.
 
 * ``DiffusionPipeline.to`` and ``ModelMixin.to`` / ``.cuda``: after the original move, every
   component is swept for bitsandbytes parameters whose quant-state tensors are not on the
-  parameter's device, and those tensors are moved (one INFO line per pipeline sweep on the logger
-  ``devmap_shims.hooks.pipeline_to``, naming the bug and how many tensors moved). A model ``.to``
-  inside a pipeline ``.to`` leaves the sweep to the pipeline.
-* ``ModelMixin.from_pretrained`` with a single-GPU ``device_map`` (``{"": "cuda:1"}``, ``"cuda:1"``,
-  ``1``, ``torch.device("cuda", 1)``) for a bitsandbytes-quantized load: the map is dropped and the
-  load runs with that GPU as the current device, so diffusers quantizes there and every tensor,
-  quant state included, ends up on it (what diffusers >= 0.33 does with such a map).
+  parameter's device, and those tensors are moved (one INFO line per pipeline sweep). A model
+  ``.to`` inside a pipeline ``.to`` leaves the sweep to the pipeline.
+* ``ModelMixin.from_pretrained`` with a one-GPU ``device_map`` (``{"": "cuda:1"}``, ``"cuda:1"``,
+  ``1``, ``torch.device("cuda", 1)``) for a bitsandbytes-quantized load, which these diffusers
+  releases refuse: the map is dropped and the load runs with that GPU as the current device, so
+  everything, quant state included, lands there (what diffusers >= 0.33 does with such a map).
+
+Rows (generated from known_bugs.toml by scripts/regenerate.py):
+    diffusers-quantized-load-on-current-device
+        affected: diffusers >=0.31.0,<0.33.0; bitsandbytes >=0.41.2,<0.45.3
+        fixed in: diffusers 0.33.0
 """
 
 from __future__ import annotations
 
 import threading
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # typing and logging would cost install() its start-up budget
+
+TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
+if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Optional, Tuple
 
-from devmap_shims.hooks._lazy import LazyLogger
-from devmap_shims.shims import Shim, Target
+from devmap_shims.devices.quant_state import align_known_state
+from devmap_shims.scenarios import BugObserved, scenario
+from devmap_shims.shims import LazyLogger, Shim, Target, with_context
 
 BUG_ID = "diffusers-quantized-load-on-current-device"
-SHIM_ID = "pipeline-to-sweep"
 
-logger = LazyLogger("devmap_shims.hooks.pipeline_to")
-
-_HERE = "devmap_shims.hooks.pipeline_to"
-
-SHIMS = (
-    Shim(
-        id=SHIM_ID,
-        fixes=(BUG_ID,),
-        targets=(
-            Target(
-                "diffusers.pipelines.pipeline_utils",
-                "DiffusionPipeline.to",
-                wrapper=f"{_HERE}:repair_pipeline_to",
-            ),
-            Target("diffusers.models.modeling_utils", "ModelMixin.to", wrapper=f"{_HERE}:repair_model_to"),
-            Target("diffusers.models.modeling_utils", "ModelMixin.cuda", wrapper=f"{_HERE}:repair_model_to"),
-            Target(
-                "diffusers.models.modeling_utils",
-                "ModelMixin.from_pretrained",
-                expect_params=("pretrained_model_name_or_path",),
-                wrapper=f"{_HERE}:repair_from_pretrained",
-            ),
-        ),
-        summary="after pipe.to()/model.to() move quant state left on the load GPU; honour a one-GPU device_map "
-        "for quantized loads",
-    ),
-)
-
-_local = threading.local()
-
-
-def _depth() -> int:
-    return getattr(_local, "depth", 0)
-
-
-class _Moving:
-    """Marks a pipeline move in progress on this thread (model moves inside it do not sweep)."""
-
-    def __enter__(self) -> None:
-        _local.depth = _depth() + 1
-
-    def __exit__(self, *exc: Any) -> None:
-        _local.depth = _depth() - 1
+logger = LazyLogger(__name__)
 
 
 # -- the sweep ------------------------------------------------------------------------------------
@@ -88,8 +42,6 @@ def sweep_module(module: Any) -> int:
     checks the QuantState layout of the affected bitsandbytes releases: the sweep runs after every
     move of a pipeline whose transformer has hundreds of 4-bit layers.
     """
-    from devmap_shims.hooks.quant_state import align_known_state
-
     moved = 0
     stack = [module]
     seen = set()
@@ -146,42 +98,46 @@ def _describe_call(owner: Any, method: str, args: Tuple[Any, ...], kwargs: Dict[
 
 
 # -- wrappers ---------------------------------------------------------------------------------------
-def repair_pipeline_to(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+class _Moves(threading.local):
+    """Per thread: how many pipeline moves are in progress (model moves inside them do not sweep)."""
+
+    depth = 0
+
+
+@with_context
+def repair_pipeline_to(context: Any, wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """``DiffusionPipeline.to``, then one sweep over its components."""
-    with _Moving():
+    moves = context.state
+    moves.depth += 1
+    try:
         result = wrapped(*args, **kwargs)
-    if _depth() == 0 and instance is not None:
+    finally:
+        moves.depth -= 1
+    if moves.depth == 0 and instance is not None:
         moved, modules = sweep_pipeline(instance)
         logger.info(
             "devmap_shims: %s after %s: moved %d quantization-state tensor(s) of %d component(s) onto their "
             "weights' devices (shim %s)",
-            BUG_ID,
-            _describe_call(instance, "to", args, kwargs),
-            moved,
-            modules,
-            SHIM_ID,
+            BUG_ID, _describe_call(instance, "to", args, kwargs), moved, modules, SHIM.id,
         )
     return result
 
 
-def repair_model_to(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+@with_context
+def repair_model_to(context: Any, wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """``ModelMixin.to`` / ``.cuda``, then a sweep of the model unless a pipeline move sweeps later."""
     result = wrapped(*args, **kwargs)
-    if _depth() == 0 and instance is not None:
+    if context.state.depth == 0 and instance is not None:
         moved = sweep_module(instance)
         if moved:
             logger.info(
                 "devmap_shims: %s after %s: moved %d quantization-state tensor(s) onto their weights' devices "
                 "(shim %s)",
-                BUG_ID,
-                _describe_call(instance, getattr(wrapped, "__name__", "to"), args, kwargs),
-                moved,
-                SHIM_ID,
+                BUG_ID, _describe_call(instance, getattr(wrapped, "__name__", "to"), args, kwargs), moved, SHIM.id,
             )
     return result
 
 
-# -- loads ----------------------------------------------------------------------------------------
 def single_cuda_index(device_map: Any) -> Optional[int]:
     """The GPU index of a device map that puts the whole model on one CUDA device, else None."""
     import torch
@@ -205,16 +161,7 @@ def single_cuda_index(device_map: Any) -> Optional[int]:
     return None
 
 
-_HUB_KWARGS = (
-    "cache_dir",
-    "force_download",
-    "proxies",
-    "local_files_only",
-    "token",
-    "use_auth_token",
-    "revision",
-    "subfolder",
-)
+_HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "use_auth_token", "revision", "subfolder")
 
 
 def _is_bnb_quantized_load(cls: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
@@ -237,9 +184,7 @@ def _is_bnb_quantized_load(cls: Any, args: Tuple[Any, ...], kwargs: Dict[str, An
     return "bitsandbytes" in str(getattr(method, "value", method))
 
 
-def repair_from_pretrained(
-    wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]
-) -> Any:
+def repair_from_pretrained(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """``ModelMixin.from_pretrained`` that loads a bitsandbytes model onto the GPU its one-GPU map names."""
     index = single_cuda_index(kwargs.get("device_map"))
     if index is None or not _is_bnb_quantized_load(instance, args, kwargs):
@@ -252,10 +197,7 @@ def repair_from_pretrained(
     logger.info(
         "devmap_shims: %s: loading %s on cuda:%d as the current device instead of passing device_map, which "
         "this diffusers refuses for quantized models (shim %s)",
-        BUG_ID,
-        getattr(instance, "__name__", "model"),
-        index,
-        SHIM_ID,
+        BUG_ID, getattr(instance, "__name__", "model"), index, SHIM.id,
     )
     with torch.cuda.device(index):
         model = wrapped(*args, **kwargs)
@@ -263,14 +205,62 @@ def repair_from_pretrained(
     return model
 
 
-__all__ = [
-    "BUG_ID",
-    "SHIMS",
-    "SHIM_ID",
-    "repair_from_pretrained",
-    "repair_model_to",
-    "repair_pipeline_to",
-    "single_cuda_index",
-    "sweep_module",
-    "sweep_pipeline",
-]
+SHIM = Shim(
+    id="pipeline-to-sweep",
+    fixes=(BUG_ID,),
+    targets=(
+        Target("diffusers.pipelines.pipeline_utils", "DiffusionPipeline.to", wrapper=repair_pipeline_to),
+        Target("diffusers.models.modeling_utils", "ModelMixin.to", wrapper=repair_model_to),
+        Target("diffusers.models.modeling_utils", "ModelMixin.cuda", wrapper=repair_model_to),
+        Target(
+            "diffusers.models.modeling_utils",
+            "ModelMixin.from_pretrained",
+            expect_params=("pretrained_model_name_or_path",),
+            wrapper=repair_from_pretrained,
+        ),
+    ),
+    state=_Moves,
+    summary="after pipe.to()/model.to() move quant state left on the load GPU; honour a one-GPU device_map "
+    "for quantized loads",
+)
+
+
+# -- scenarios --------------------------------------------------------------------------------------
+_FLUX_NEEDS = ("torch", "bitsandbytes", "diffusers", "transformers")
+
+
+@scenario(BUG_ID, "4-bit Flux transformer loaded while cuda:0 is current, pipeline moved with pipe.to('cuda:1')",
+          needs=_FLUX_NEEDS)
+def flux_4bit_loaded_on_current_device_then_moved() -> str:
+    from devmap_shims.scenarios import flux
+
+    base = flux.prepare()
+    import torch
+
+    from devmap_shims.testing import simulated_gpus
+
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        transformer = flux.load_4bit_transformer()  # no device_map: diffusers picks the current device
+        pipe = flux.pipeline_with(base, transformer)
+        pipe.to("cuda:1")
+        checked = flux.raise_if_strays(pipe, "after pipe.to('cuda:1')")
+        return f"loaded on the current GPU, pipe.to('cuda:1'): {checked} quant-state tensors on cuda:1"
+
+
+@scenario(BUG_ID, "4-bit Flux transformer loaded with device_map={'': 'cuda:1'} while cuda:0 is current",
+          needs=_FLUX_NEEDS)
+def flux_4bit_loaded_with_one_gpu_device_map() -> str:
+    from devmap_shims.scenarios import flux
+
+    flux.prepare()
+    import torch
+
+    from devmap_shims.testing import simulated_gpus
+
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        transformer = flux.load_4bit_transformer(device_map={"": "cuda:1"})
+        devices = sorted({str(p.device) for p in transformer.parameters()})
+        if devices != ["cuda:1"]:
+            raise BugObserved(f"device_map={{'': 'cuda:1'}} loaded parameters on {', '.join(devices)}")
+        checked = flux.raise_if_strays(transformer, "after loading with device_map={'': 'cuda:1'}")
+        return f"loaded with device_map={{'': 'cuda:1'}}: every parameter and {checked} quant-state tensors on cuda:1"

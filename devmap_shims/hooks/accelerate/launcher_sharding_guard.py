@@ -1,62 +1,35 @@
-"""Warn when every process of a multi-process launch shards its own model over the same GPUs.
+"""Shim ``launcher-sharding-guard``: warn (strict mode: raise) when every process of a
+multi-process launch shards its own copy of the model over the same GPUs.
 
-Bug ``device-map-auto-generate-hang-grpo`` (huggingface/accelerate#3434): ``generate`` hangs or
-returns nothing for a model loaded with ``device_map="auto"`` under GRPOTrainer / ``accelerate
-launch`` with ``num_processes: 3``. No root cause was established upstream and the hang has not
-been reproduced here. The likely cause is the configuration itself: the launcher starts one process
-per GPU (``WORLD_SIZE > 1``) and each process, seeing every GPU, shards a full model over all of
-them, so the ranks' models and collectives share devices (accelerate refuses to *train* such a model
-in any distributed mode, huggingface/transformers#31557).
-
-This shim does not fix a hang. It detects that configuration, right after
+It does not fix a hang: it detects the configuration the row suspects, right after
 ``PreTrainedModel.from_pretrained`` returns and when ``generate`` starts (transformers'
-``GenerationMixin._prepare_generation_config``, which every ``generate`` calls first; hooking
-``generate`` itself is the generate-input-device shim's), and warns once per process with the cause
-and the two fixes: run one process, or load one full copy per process with
-``device_map={"": local_rank}``. With ``DEVMAP_SHIMS_STRICT=1`` (or ``install(strict=True)``) it
-raises instead.
+``GenerationMixin._prepare_generation_config``, which every ``generate`` calls first; ``generate``
+itself is the generate-input-device shim's), and warns once per install with the cause and the two
+fixes: run one process, or load one full copy per process with ``device_map={"": local_rank}``.
+
+Rows (generated from known_bugs.toml by scripts/regenerate.py):
+    device-map-auto-generate-hang-grpo
+        affected: accelerate >=1.4.0
+        fixed in: unfixed (last checked 2026-11-01)
 """
 
 from __future__ import annotations
 
 import os
 
-from devmap_shims.hooks._lazy import LazyLogger
-from devmap_shims.shims import Shim, Target
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # typing would cost install() its start-up budget
+TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
+if TYPE_CHECKING:
     from typing import Any, Callable, Dict, List, Optional, Tuple
 
-SHIM_ID = "launcher-sharding-guard"
+from devmap_shims.shims import Shim, Target, with_context
+
 BUG_ID = "device-map-auto-generate-hang-grpo"
-_HERE = "devmap_shims.hooks.launcher"
 
-logger = LazyLogger("devmap_shims.hooks.launcher")
 
-SHIMS = (
-    Shim(
-        id=SHIM_ID,
-        fixes=(BUG_ID,),
-        targets=(
-            Target(
-                "transformers.modeling_utils",
-                "PreTrainedModel.from_pretrained",
-                expect_params=("pretrained_model_name_or_path",),
-                wrapper=f"{_HERE}:check_after_from_pretrained",
-            ),
-            Target(
-                "transformers.generation.utils",
-                "GenerationMixin._prepare_generation_config",
-                wrapper=f"{_HERE}:check_before_generate",
-            ),
-        ),
-        summary="warn (strict: raise) when a multi-process launch shards each rank's model over the same GPUs",
-    ),
-)
+class _Warned:
+    """The shim's state: set once the warning was given (then a check costs one attribute read)."""
 
-#: Set once the warning was given: the check then costs one attribute read per generate call.
-_state = {"warned": False}
+    given = False
 
 
 def _launch() -> Optional[Tuple[int, int, Optional[int]]]:
@@ -137,7 +110,7 @@ def sharding_message(model: Any, where: str) -> Optional[str]:
     rank, world, local = launch
     local_text = str(local) if local is not None else "local_rank"
     return (
-        f"[{SHIM_ID}] {where}: process {rank} of {world} (torchrun / accelerate launch / a distributed "
+        f"[{SHIM.id}] {where}: process {rank} of {world} (torchrun / accelerate launch / a distributed "
         f"trainer) holds a model sharded over {', '.join(gpus)}, and the other processes of this launch, "
         "running the same code, shard their own copies over the same GPUs. generate() in this "
         f"configuration can hang or return nothing ({BUG_ID}, huggingface/accelerate#3434). Fix: either "
@@ -147,43 +120,53 @@ def sharding_message(model: Any, where: str) -> Optional[str]:
     )
 
 
-def check(model: Any, where: str) -> None:
-    """Warn once per process (raise ``ShimError`` in strict mode) when ``model`` is sharded under a
+def check(context: Any, model: Any, where: str) -> None:
+    """Warn once (raise ``ShimError`` in strict mode) when ``model`` is sharded under a
     multi-process launch."""
-    if _state["warned"]:
+    if context.state.given:
         return
     message = sharding_message(model, where)
     if message is None:
         return
-    from devmap_shims.shims.registry import REGISTRY, ShimError
-
-    _state["warned"] = True
-    if REGISTRY.strict:
-        raise ShimError(message)
-    REGISTRY.warn(message)
+    context.state.given = True
+    context.refuse(message)
 
 
-def check_after_from_pretrained(
-    wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]
-) -> Any:
+@with_context
+def check_after_from_pretrained(context: Any, wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """Wrapper for ``PreTrainedModel.from_pretrained``: load, then look at the map it used."""
     result = wrapped(*args, **kwargs)
-    if not _state["warned"]:
+    if not context.state.given:
         model = result[0] if isinstance(result, tuple) else result  # output_loading_info=True
         if isinstance(getattr(model, "hf_device_map", None), dict):
-            check(model, f"{type(model).__name__}.from_pretrained")
+            check(context, model, f"{type(model).__name__}.from_pretrained")
     return result
 
 
-def check_before_generate(
-    wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]
-) -> Any:
+@with_context
+def check_before_generate(context: Any, wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """Wrapper for ``GenerationMixin._prepare_generation_config`` (the start of every ``generate``)."""
-    if not _state["warned"] and instance is not None:
-        check(instance, f"{type(instance).__name__}.generate")
+    if not context.state.given and instance is not None:
+        check(context, instance, f"{type(instance).__name__}.generate")
     return wrapped(*args, **kwargs)
 
 
-def reset() -> None:
-    """Forget that the warning was given (tests)."""
-    _state["warned"] = False
+SHIM = Shim(
+    id="launcher-sharding-guard",
+    fixes=(BUG_ID,),
+    targets=(
+        Target(
+            "transformers.modeling_utils",
+            "PreTrainedModel.from_pretrained",
+            expect_params=("pretrained_model_name_or_path",),
+            wrapper=check_after_from_pretrained,
+        ),
+        Target(
+            "transformers.generation.utils",
+            "GenerationMixin._prepare_generation_config",
+            wrapper=check_before_generate,
+        ),
+    ),
+    state=_Warned,
+    summary="warn (strict: raise) when a multi-process launch shards each rank's model over the same GPUs",
+)

@@ -1,0 +1,43 @@
+"""accelerate's hooks on a module (``module._hf_hook``) and the device they run it on."""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
+if TYPE_CHECKING:
+    from typing import Any, List
+
+
+def hooks_of(module: Any) -> List[Any]:
+    """The hooks accelerate attached to ``module`` (a ``SequentialHook`` unpacked), outermost first."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        return []
+    inner = getattr(hook, "hooks", None)  # SequentialHook
+    return list(inner) if inner is not None else [hook]
+
+
+def is_offloading(hook: Any) -> bool:
+    """Whether ``hook`` keeps the module's weights elsewhere (``offload=True``)."""
+    return bool(getattr(hook, "offload", False))
+
+
+def is_model_cpu_offload(hook: Any) -> bool:
+    """accelerate's ``CpuOffload``: the whole model moves to the GPU at call time."""
+    return type(hook).__name__ == "CpuOffload"
+
+
+def execution_device(module: Any) -> Any:
+    """The device accelerate's hook on ``module`` runs it on (a ``torch.device``), or None when it
+    has no hook that says."""
+    for hook in hooks_of(module):
+        device = getattr(hook, "execution_device", None)
+        if device is not None:
+            import torch
+
+            if isinstance(device, int) and not isinstance(device, bool):
+                return torch.device("cuda", device)
+            try:
+                return torch.device(device)
+            except (TypeError, RuntimeError, ValueError):
+                return None
+    return None

@@ -1,0 +1,91 @@
+"""The tensors of a bitsandbytes 4-bit quantization state (``QuantState``), and moving them.
+
+A ``QuantState`` holds ``absmax``, ``code`` (the 16-entry NF4/FP4 table), ``offset`` and, for
+nested statistics, a second state ``state2`` with its own ``absmax`` and ``code``. The walk finds
+them through the state's attributes, so a tensor a later release adds is included too.
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
+if TYPE_CHECKING:
+    from typing import Any, Iterator, Tuple
+
+from devmap_shims.devices.tensors import device_type, tensor_type
+
+# Nested quant states (``state2``) are one level deep in every bitsandbytes release; the limit
+# only guards against a cycle in a future layout.
+_MAX_DEPTH = 3
+
+#: The tensors of a QuantState in the releases the quant-state rows apply to (0.41.2-0.46.0):
+#: the outer state's, then the nested ``state2``'s.
+KNOWN_LAYOUT = (("absmax", "code", "offset"), ("absmax", "code"))
+
+
+def _looks_like_quant_state(value: Any) -> bool:
+    return type(value).__name__ == "QuantState"
+
+
+def quant_state_of(param: Any) -> Any:
+    """The ``quant_state`` a bitsandbytes parameter carries, or None (read from its ``__dict__``,
+    so a plain tensor costs one lookup)."""
+    namespace = getattr(param, "__dict__", None)
+    return namespace.get("quant_state") if namespace else None
+
+
+def state_tensors(state: Any, prefix: str = "", _depth: int = 0) -> Iterator[Tuple[Any, str, str, Any]]:
+    """``(owner, attribute, dotted name, tensor)`` for every tensor held by ``state``, nested
+    states included (``"state2.absmax"``)."""
+    if _depth >= _MAX_DEPTH:
+        return
+    namespace = getattr(state, "__dict__", None)
+    if not namespace:
+        return
+    tensor = tensor_type()
+    for attr, value in list(namespace.items()):
+        if isinstance(value, tensor):
+            yield state, attr, prefix + attr, value
+        elif value is not None and _looks_like_quant_state(value):
+            yield from state_tensors(value, f"{prefix}{attr}.", _depth + 1)
+
+
+def align_state(state: Any, device: Any, _depth: int = 0) -> int:
+    """Move every tensor of ``state`` (nested states included) that is not on ``device`` there;
+    returns how many moved. Compares before moving: a ``.to()`` that moves nothing still costs a
+    dispatch, and this runs for every 4-bit weight of a model."""
+    tensor, torch_device = tensor_type(), device_type()
+    if not isinstance(device, torch_device):
+        device = torch_device(device)
+    namespace = getattr(state, "__dict__", None)
+    if not namespace or _depth >= _MAX_DEPTH:
+        return 0
+    strays = None
+    moved = 0
+    for attr, value in namespace.items():
+        if isinstance(value, tensor):
+            if value.device != device:
+                strays = [attr] if strays is None else strays + [attr]
+        elif value is not None and (type(value) is type(state) or _looks_like_quant_state(value)):
+            moved += align_state(value, device, _depth + 1)
+    if strays:
+        for attr in strays:
+            setattr(state, attr, namespace[attr].to(device))
+        moved += len(strays)
+    return moved
+
+
+def align_known_state(state: Any, device: Any) -> int:
+    """:func:`align_state` for :data:`KNOWN_LAYOUT`, by direct attribute access: about half the
+    cost of the generic walk, which matters when a sweep visits every 4-bit layer of a model."""
+    moved = 0
+    outer, inner = KNOWN_LAYOUT
+    for owner, names in ((state, outer), (getattr(state, "state2", None), inner)):
+        if owner is None:
+            continue
+        for attr in names:
+            value = getattr(owner, attr, None)
+            if value is not None and value.device != device:
+                setattr(owner, attr, value.to(device))
+                moved += 1
+    return moved
+

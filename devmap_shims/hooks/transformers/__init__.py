@@ -1,0 +1,1 @@
+"""Shims for bugs that live in transformers."""

@@ -12,8 +12,8 @@ Two stacks:
 * transformers >= 5: ``transformers.integrations.accelerate._get_device_map`` does it all; it is
   called as is.
 
-With ``shim=True`` the same calls go through :mod:`devmap_shims.hooks.device_map`'s wrappers,
-exactly as they do once the shim is installed.
+With ``shim=True`` the same calls go through the wrappers of the ``device-map-balance`` shim
+(:mod:`devmap_shims.hooks.accelerate.device_map_balance`), exactly as they do once it is installed.
 """
 
 from __future__ import annotations
@@ -50,11 +50,24 @@ def original(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def _through(wrapper: Callable[..., Any], wrapped: Callable[..., Any]) -> Callable[..., Any]:
+def _through(wrapper: Callable[..., Any], wrapped: Callable[..., Any], context: Any) -> Callable[..., Any]:
+    """``wrapped`` called through one of the shim's wrappers, as the engine would call it."""
+    from devmap_shims.shims.guard import bind_context
+
+    repair = bind_context(wrapper, context)
+
     def call(*args: Any, **kwargs: Any) -> Any:
-        return wrapper(wrapped, None, args, kwargs)
+        return repair(wrapped, None, args, kwargs)
 
     return call
+
+
+def _context() -> Any:
+    """A fresh context of the device-map shim, not tied to an install (its state lives one step)."""
+    from devmap_shims.hooks.accelerate.device_map_balance import SHIM
+    from devmap_shims.shims import ShimContext
+
+    return ShimContext(SHIM)
 
 
 @dataclass
@@ -242,17 +255,17 @@ def device_map_step(meta: MetaModel, strategy: str, max_memory: Optional[Dict[An
 def _step_v5(meta: MetaModel, strategy: str, max_memory: Optional[dict], shim: bool) -> Dict[str, Any]:
     from transformers.integrations import accelerate as tia
 
-    from devmap_shims.hooks import device_map as hook
+    from devmap_shims.hooks.accelerate import device_map_balance as hook
 
     fn = original(tia._get_device_map)
     if shim:
-        fn = _through(hook.repair_get_device_map, fn)
-    with _no_environment_check(meta.quantizer):
+        fn = _through(hook.repair_get_device_map, fn, _context())
+    with no_environment_check(meta.quantizer):
         return fn(meta.model, strategy, max_memory, meta.quantizer)
 
 
 @contextlib.contextmanager
-def _no_environment_check(quantizer: Any) -> Iterator[None]:
+def no_environment_check(quantizer: Any) -> Iterator[None]:
     if quantizer is None:
         yield
         return
@@ -268,15 +281,16 @@ def _step_v4(meta: MetaModel, strategy: str, max_memory: Optional[dict], shim: b
 
     import accelerate.utils.modeling as am
 
-    from devmap_shims.hooks import device_map as hook
+    from devmap_shims.hooks.accelerate import device_map_balance as hook
 
     model, quantizer, dt = meta.model, meta.quantizer, meta.dtype
     get_balanced_memory = original(am.get_balanced_memory)
     infer_auto_device_map = original(am.infer_auto_device_map)
     takes_special_dtypes = "special_dtypes" in inspect.signature(infer_auto_device_map).parameters
     if shim:
-        get_balanced_memory = _through(hook.remember_balanced_memory, get_balanced_memory)
-        infer_auto_device_map = _through(hook.repair_infer_auto_device_map, infer_auto_device_map)
+        context = _context()
+        get_balanced_memory = _through(hook.remember_balanced_memory, get_balanced_memory, context)
+        infer_auto_device_map = _through(hook.repair_infer_auto_device_map, infer_auto_device_map, context)
     special_dtypes: Dict[str, Any] = {}
     if quantizer is not None:
         special_dtypes.update(quantizer.get_special_dtypes_update(model, dt))
@@ -309,7 +323,7 @@ def _step_v4(meta: MetaModel, strategy: str, max_memory: Optional[dict], shim: b
 def layout_and_budgets(meta: MetaModel, strategy: str, max_memory: Optional[Dict[Any, Any]]) -> tuple:
     """(layout, budgets) the shim judges this model's map with: the stack's own module sizes and
     the user's budgets after the quantizer's adjustment."""
-    from devmap_shims.hooks import device_map as hook
+    from devmap_shims.hooks.accelerate import device_map_balance as hook
 
     mm = dict(max_memory) if max_memory is not None else None
     with quiet_missing_devices(), gpu_context(_gpu_sizes(mm)):
@@ -319,7 +333,7 @@ def layout_and_budgets(meta: MetaModel, strategy: str, max_memory: Optional[Dict
             budgets = tia.get_max_memory(mm)
             if meta.quantizer is not None:
                 budgets = meta.quantizer.adjust_max_memory(budgets)
-            return hook._transformers_layout(meta.model, meta.quantizer), budgets
+            return hook.transformers_layout(meta.model, meta.quantizer), budgets
         import accelerate.utils.modeling as am
 
         budgets = am.get_max_memory(mm)
@@ -332,4 +346,4 @@ def layout_and_budgets(meta: MetaModel, strategy: str, max_memory: Optional[Dict
         else:
             params["dtype"] = meta.dtype
         meta.model.tie_weights()
-        return hook._accelerate_layout(meta.model, params), budgets
+        return hook.accelerate_layout(meta.model, params), budgets

@@ -24,14 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from devmap_shims.cli._output import EXIT_OK, EXIT_PROBLEM, UsageError, one_line
 from devmap_shims.planning.sizes import TopologyError, format_bytes, parse_gpus, parse_size
-
-EXIT_OK, EXIT_DEGENERATE, EXIT_USAGE = 0, 1, 2
-PROG = "devmap-shims plan"
-
-
-class PlanError(Exception):
-    """One line for the user; exit status 2."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,14 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except PlanError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-
-
 # -- inputs ---------------------------------------------------------------------------------------
 
 
@@ -69,17 +55,17 @@ def read_config_dict(path_text: str) -> Tuple[Dict[str, Any], Path]:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise PlanError(f"no such file: {path}") from None
+        raise UsageError(f"no such file: {path}") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise PlanError(f"cannot read {path}: {exc.__class__.__name__}: {_one_line(exc)}") from None
+        raise UsageError(f"cannot read {path}: {exc.__class__.__name__}: {one_line(exc)}") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise PlanError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        raise UsageError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, dict):
-        raise PlanError(f"{path} does not hold a JSON object")
+        raise UsageError(f"{path} does not hold a JSON object")
     if not isinstance(data.get("model_type"), str):
-        raise PlanError(f"{path} has no \"model_type\"; it does not look like a transformers model config")
+        raise UsageError(f"{path} has no \"model_type\"; it does not look like a transformers model config")
     return data, path
 
 
@@ -135,7 +121,7 @@ def _quantization(args: argparse.Namespace, data: Dict[str, Any]) -> str:
             return "4bit"
         if qc.get("load_in_8bit"):
             return "8bit"
-    raise PlanError(
+    raise UsageError(
         f"the config is quantized with {method or 'an unknown method'}, which plan does not model; "
         "pass --quantization none, 4bit or 8bit to choose"
     )
@@ -144,14 +130,14 @@ def _quantization(args: argparse.Namespace, data: Dict[str, Any]) -> str:
 # -- the run ------------------------------------------------------------------------------------------
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     try:
         gpus = parse_gpus(args.gpus)
         cpu = parse_size(args.cpu_memory) if args.cpu_memory else _default_cpu_memory()
         caps = parse_caps(args.max_memory)
         max_memory = build_max_memory(gpus, cpu, caps)
     except TopologyError as exc:
-        raise PlanError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     data, path = read_config_dict(args.config)
     quantization = _quantization(args, data)
 
@@ -159,18 +145,18 @@ def _run(args: argparse.Namespace) -> int:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as exc:
-        raise PlanError(f"plan needs torch and transformers installed ({exc})") from None
-    from devmap_shims.planning import stack
+        raise UsageError(f"plan needs torch and transformers installed ({exc})") from None
+    from devmap_shims.cli import device_map_step as stack
 
     config = _build_config(data, path)
     try:
         meta = stack.build_meta_model(config, args.dtype, quantization)
     except stack.PlanInputError as exc:
-        raise PlanError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     except ImportError as exc:
-        raise PlanError(f"{quantization} quantization needs bitsandbytes installed ({_one_line(exc)})") from None
+        raise UsageError(f"{quantization} quantization needs bitsandbytes installed ({one_line(exc)})") from None
     except Exception as exc:
-        raise PlanError(f"cannot build {data['model_type']} from {path}: {type(exc).__name__}: {_one_line(exc)}") from None
+        raise UsageError(f"cannot build {data['model_type']} from {path}: {type(exc).__name__}: {one_line(exc)}") from None
 
     armed = shim_armed() and not args.without_shims
     library_map = stack.device_map_step(meta, args.device_map, max_memory, shim=False)
@@ -182,7 +168,7 @@ def _run(args: argparse.Namespace) -> int:
         print()
     else:
         print(_human(report))
-    return EXIT_OK if report["verdict"] == "ok" else EXIT_DEGENERATE
+    return EXIT_OK if report["verdict"] == "ok" else EXIT_PROBLEM
 
 
 def _build_config(data: Dict[str, Any], path: Path) -> Any:
@@ -193,20 +179,20 @@ def _build_config(data: Dict[str, Any], path: Path) -> Any:
     try:
         return AutoConfig.for_model(model_type, **fields)
     except ValueError as exc:
-        raise PlanError(f"{path}: {_one_line(exc)}") from None
+        raise UsageError(f"{path}: {one_line(exc)}") from None
     except Exception as exc:
-        raise PlanError(f"{path}: cannot build a {model_type} config: {type(exc).__name__}: {_one_line(exc)}") from None
+        raise UsageError(f"{path}: cannot build a {model_type} config: {type(exc).__name__}: {one_line(exc)}") from None
 
 
 def shim_armed() -> bool:
     """Would ``devmap_shims.install()`` arm the device-map shim on the installed versions?"""
     from devmap_shims.compat_matrix import load_matrix
-    from devmap_shims.hooks.device_map import SHIM_ID
-
+    from devmap_shims.hooks.accelerate.device_map_balance import SHIM
     from devmap_shims.versions import installed_versions
 
-    versions = installed_versions()
-    return any(row.applies(versions) for row in load_matrix().for_shim(SHIM_ID))
+    matrix = load_matrix()
+    versions = installed_versions(matrix.distributions())
+    return any(matrix.get(bug_id).applies(versions) for bug_id in SHIM.fixes)
 
 
 def _versions() -> Dict[str, Optional[str]]:
@@ -216,7 +202,7 @@ def _versions() -> Dict[str, Optional[str]]:
 
 
 def _report(args, meta, layout, budgets, library_map, final_map, armed, gpus, max_memory, path) -> Dict[str, Any]:
-    from devmap_shims.hooks.device_map import SHIM_ID
+    from devmap_shims.hooks.accelerate.device_map_balance import SHIM
     from devmap_shims.planning import assess
 
     low_zero = args.device_map == "balanced_low_0"
@@ -226,7 +212,7 @@ def _report(args, meta, layout, budgets, library_map, final_map, armed, gpus, ma
         return assess(layout, units, budgets, low_zero) if units is not None else None
 
     final, library = judge(final_map), judge(library_map)
-    applied = [SHIM_ID] if armed and final_map != library_map else []
+    applied = [SHIM.id] if armed and final_map != library_map else []
     report: Dict[str, Any] = {
         "config": str(path),
         "model_type": getattr(meta.model.config, "model_type", None),
@@ -242,7 +228,7 @@ def _report(args, meta, layout, budgets, library_map, final_map, armed, gpus, ma
         "lower_bound": final.lower_bound if final else None,
         "balance_ratio": round(final.ratio, 4) if final else None,
         "model_bytes": layout.total,
-        "shims_armed": [SHIM_ID] if armed else [],
+        "shims_armed": [SHIM.id] if armed else [],
         "shims_applied": applied,
         "versions": _versions(),
         "modules_per_device": _modules_per_device(final_map),
@@ -335,18 +321,3 @@ def _human(report: Dict[str, Any]) -> str:
     else:
         lines.append("devmap-shims: device-map shim not armed (--without-shims, or the bug does not apply here)")
     return "\n".join(lines)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:300]
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """Standalone entry point (the CLI registers :func:`add_arguments` / :func:`run` itself)."""
-    parser = argparse.ArgumentParser(prog=PROG)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

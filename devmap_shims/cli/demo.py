@@ -11,6 +11,8 @@ import json
 import sys
 from typing import Any, Dict, List
 
+from devmap_shims.cli._output import UsageError, table
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -20,11 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def collect(ids: List[str], include_all: bool, progress: Any = None) -> List[Dict[str, Any]]:
     from devmap_shims.compat_matrix import load_matrix
-    from devmap_shims.scenarios import load_all, replay
+    from devmap_shims.scenarios import all_scenarios
+    from devmap_shims.scenarios.replay import replay
+    from devmap_shims.shims.catalog import builtin_shims, shim_of_rows
     from devmap_shims.versions import installed_versions
 
     matrix = load_matrix()
-    scenarios = load_all()
+    scenarios = all_scenarios()
+    shim_of = shim_of_rows(builtin_shims()[0])
     versions = installed_versions(matrix.distributions())
     for bug_id in ids:
         matrix.get(bug_id)  # KeyError with suggestions for a typo
@@ -35,19 +40,20 @@ def collect(ids: List[str], include_all: bool, progress: Any = None) -> List[Dic
         applies, why = row.applicability(versions)
         if not (applies or include_all or ids):
             continue
+        shim = shim_of.get(row.id)
         for item in scenarios.get(row.id, []):
             if progress:
-                progress(f"replaying {row.id} ({item.func.__name__}) ...")
+                progress(f"replaying {row.id} ({item.name}) ...")
             without = replay(item, shims=False)
-            with_shims = replay(item, shims=True, shim_id=row.shim) if row.shim else None
+            with_shims = replay(item, shims=True, shim_id=shim) if shim else None
             rows.append(
                 {
                     "bug_id": row.id,
-                    "scenario": item.func.__name__,
+                    "scenario": item.name,
                     "title": item.title,
                     "affected_here": applies,
                     "applicability": why,
-                    "shim": row.shim,
+                    "shim": shim,
                     "without_shims": without.as_dict(),
                     "with_shims": with_shims.as_dict() if with_shims else None,
                     "verdict": _verdict(applies, without, with_shims),
@@ -96,8 +102,6 @@ def _quiet_libraries() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from devmap_shims.cli import UsageError
-
     _quiet_libraries()
 
     def progress(message: str) -> None:
@@ -116,12 +120,10 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         print("No known bug with a replayable scenario applies to the installed stack (use --all to replay them anyway).")
         return 0
-    from devmap_shims.cli import _table
-
-    table = []
+    cells = []
     for r in rows:
         with_shims = r["with_shims"]
-        table.append(
+        cells.append(
             [
                 r["bug_id"],
                 "yes" if r["affected_here"] else "no",
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{r['without_shims']['seconds'] + (with_shims['seconds'] if with_shims else 0):.1f}s",
             ]
         )
-    print(_table(table, ["bug id", "affected here?", "without shims", "with shims", "verdict", "time"]))
+    print(table(cells, ["bug id", "affected here?", "without shims", "with shims", "verdict", "time"]))
     print(f"\n{len(rows)} scenario(s); {len(bad)} problem(s). `devmap-shims explain ID` tells more about a row.")
     return 1 if bad else 0
 

@@ -1,0 +1,72 @@
+"""The ``devmap-shims`` command (also ``python -m devmap_shims``).
+
+One module per subcommand, each with ``add_arguments(parser)`` and ``run(args) -> exit code``;
+they share :mod:`._output` (exit codes, :class:`UsageError`, tables, JSON).
+
+Exit codes: 0 success, 1 the command ran and found a problem (``demo`` with a failing scenario,
+``plan`` with a degenerate map), 2 usage error (unknown command, bad arguments, unreadable input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+from devmap_shims.cli._output import EXIT_OK, EXIT_USAGE, UsageError
+
+#: (name, module, add_arguments, run, help): the subcommands, in the order ``--help`` lists them.
+COMMANDS = (
+    ("doctor", "devmap_shims.cli.doctor", "add_arguments", "run", "versions, devices, applicable bugs and the state of every shim"),
+    ("matrix", "devmap_shims.cli.matrix", "add_matrix_arguments", "run_matrix", "list the known bugs"),
+    ("explain", "devmap_shims.cli.matrix", "add_explain_arguments", "run_explain",
+     "one known bug in full, with its upstream links and fix; or one shim with the ranges of its rows"),
+    ("run", "devmap_shims.cli.run", "add_arguments", "run", "run a command with DEVMAP_SHIMS=1"),
+    ("plan", "devmap_shims.cli.plan", "add_arguments", "run",
+     "the device map from_pretrained would compute, with and without the shims"),
+    ("demo", "devmap_shims.cli.demo", "add_arguments", "run",
+     "replay the known bugs on simulated GPUs, without and with the shims"),
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from devmap_shims import __version__
+
+    parser = _Parser(prog="devmap-shims", description="Keep the Hugging Face stack placing tensors on the right GPU.")
+    parser.add_argument("--version", action="version", version=f"devmap-shims {__version__}")
+    sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", parser_class=_Parser)
+    for name, module_name, add, run, help_text in COMMANDS:
+        module = importlib.import_module(module_name)
+        # `run` passes everything after it to the command, options included
+        extra = {"prefix_chars": "\0"} if name == "run" else {}
+        command = sub.add_parser(name, help=help_text, **extra)
+        getattr(module, add)(command)
+        command.set_defaults(func=getattr(module, run))
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as exc:
+        print(f"devmap-shims {args.command_name}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # `devmap-shims matrix | head`
+        return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""``devmap-shims matrix`` and ``devmap-shims explain``: the known bugs, and one bug or shim in full."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+from devmap_shims.cli._output import EXIT_OK, UsageError, print_json, table
+
+
+def add_matrix_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--applicable", action="store_true", help="only rows that apply to the installed versions")
+    parser.add_argument("--library", metavar="L", help="only rows about library L")
+    fmt = parser.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true")
+    fmt.add_argument("--markdown", action="store_true", help="COMPAT.md as generated from the matrix")
+
+
+def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("id", help="a matrix row id, or a shim id")
+    parser.add_argument("--json", action="store_true")
+
+
+def _plugins_wanted() -> bool:
+    import os
+
+    from devmap_shims.shims.config import ENV_NO_PLUGINS, flag
+
+    return not flag(os.environ.get(ENV_NO_PLUGINS))
+
+
+def known(with_plugins: bool = True) -> Tuple[Any, List[Any]]:
+    """The matrix and every shim (built-in, and from plugins unless turned off), warning on stderr
+    about plugins that fail to load."""
+    from devmap_shims.compat_matrix import load_matrix
+    from devmap_shims.shims import catalog, plugins
+
+    shims, problems = catalog.builtin_shims()
+    rows: List[Dict[str, Any]] = []
+    if with_plugins and _plugins_wanted():
+        rows, row_problems = plugins.plugin_rows()
+        more, shim_problems = plugins.plugin_shims([s.id for s in shims], [r["id"] for r in rows])
+        shims += more
+        problems += row_problems + shim_problems
+    for problem in problems:
+        print(f"devmap-shims: warning: {problem}", file=sys.stderr)
+    return load_matrix(extra_rows=rows), shims
+
+
+def builtin_markdown() -> str:
+    """COMPAT.md: the built-in rows and shims only, whatever plugins this machine has."""
+    from devmap_shims.compat_matrix import load_matrix, render_markdown
+    from devmap_shims.shims import catalog
+
+    shims, _ = catalog.builtin_shims()
+    return render_markdown(load_matrix(), catalog.shim_of_rows(shims))
+
+
+#: The line in a built-in shim module's docstring after which its rows are generated, to its end.
+ROWS_HEADING = "Rows (generated from known_bugs.toml by scripts/regenerate.py):"
+
+
+def docstring_rows(shim: Any, matrix: Any) -> List[str]:
+    """The generated lines of ``shim``'s docstring: each row it fixes, with its range and fix."""
+    lines = []
+    for bug_id in shim.fixes:
+        lines.append(f"    {bug_id}")
+        if bug_id in matrix:
+            row = matrix.get(bug_id)
+            lines += [f"        affected: {row.affected_text}", f"        fixed in: {row.fixed_in_text}"]
+        else:
+            lines.append("        not in the compat matrix")
+    return lines
+
+
+def run_matrix(args: argparse.Namespace) -> int:
+    from devmap_shims.compat_matrix import row_to_dict
+    from devmap_shims.shims.catalog import shim_of_rows
+    from devmap_shims.versions import installed_versions
+
+    if args.markdown:
+        sys.stdout.write(builtin_markdown())
+        return EXIT_OK
+    matrix, shims = known()
+    shim_of = shim_of_rows(shims)
+    rows = list(matrix.rows)
+    if args.library:
+        libraries = {r.library for r in rows}
+        if args.library not in libraries:
+            raise UsageError(f"--library {args.library!r} matches no row; libraries: {', '.join(sorted(libraries))}")
+        rows = [r for r in rows if r.library == args.library]
+    if args.applicable:
+        versions = installed_versions(sorted({d for r in rows for d in r.affected}))
+        rows = [r for r in rows if r.applies(versions)]
+    if args.json:
+        print_json({"schema_version": 1, "rows": [row_to_dict(r, shim_of.get(r.id)) for r in rows]})
+        return EXIT_OK
+    cells = [[r.id, r.library, r.affected_text, r.fixed_in_text, shim_of.get(r.id) or "workaround"] for r in rows]
+    print(table(cells, ["id", "library", "affected", "fixed in", "shim"]))
+    print(f"\n{len(rows)} row(s). `devmap-shims explain ID` shows one in full.")
+    return EXIT_OK
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    from devmap_shims.shims.catalog import shim_of_rows
+
+    matrix, shims = known()
+    by_id = {s.id: s for s in shims}
+    if args.id in by_id and args.id not in matrix:
+        return _explain_shim(by_id[args.id], matrix, args.json)
+    try:
+        row = matrix.get(args.id)
+    except KeyError as exc:
+        close = [s for s in by_id if args.id in s or s in args.id]
+        hint = f" (shims: {', '.join(sorted(by_id))})" if not close else f"; or the shim {close[0]!r}?"
+        raise UsageError(str(exc).strip("'\"") + hint) from None
+    return _explain_row(row, shim_of_rows(shims).get(row.id), args.json)
+
+
+def _here(row: Any) -> Tuple[bool, str]:
+    from devmap_shims.versions import installed_versions
+
+    return row.applicability(installed_versions(sorted(row.affected)))
+
+
+def _explain_row(row: Any, shim: Optional[str], as_json: bool) -> int:
+    from devmap_shims.compat_matrix import row_to_dict
+
+    applies, why = _here(row)
+    if as_json:
+        data = row_to_dict(row, shim)
+        data["applies_here"] = applies
+        data["applicability"] = why
+        print_json(data)
+        return EXIT_OK
+    print(f"{row.id}: {row.title}")
+    print(f"  library:     {row.library}")
+    print(f"  affected:    {row.affected_text}")
+    print(f"  here:        {'AFFECTED' if applies else 'not affected'} ({why})")
+    print(f"  fixed in:    {row.fixed_in_text}")
+    if shim:
+        print(f"  shim:        {shim} (`devmap-shims explain {shim}`)")
+    print(f"  workaround:  {row.workaround}")
+    print(f"  symptom:     {row.symptom}")
+    print(f"  root cause:  {row.root_cause}")
+    for url in row.upstream_urls:
+        print(f"  upstream:    {url}")
+    if isinstance(row.fixed_in, dict) and row.fixed_in:
+        upgrades = ", ".join(f"{k}>={v}" for k, v in row.fixed_in.items())
+        what = "drop this shim" if shim else "drop the workaround"
+        print(f"  fixed in {row.fixed_in_text}: upgrade ({upgrades}) to {what}.")
+    else:
+        print(f"  {row.fixed_in_text}: keep the {'shim' if shim else 'workaround'}.")
+    return EXIT_OK
+
+
+def _explain_shim(shim: Any, matrix: Any, as_json: bool) -> int:
+    """A shim: where it lives, what it wraps, and the range of each row it fixes (from the matrix)."""
+    rows = []
+    for bug_id in shim.fixes:
+        row = matrix.get(bug_id) if bug_id in matrix else None
+        applies, why = _here(row) if row is not None else (False, "no such row in the compat matrix")
+        rows.append({
+            "id": bug_id,
+            "affected": dict(row.affected) if row is not None else None,
+            "fixed_in": row.fixed_in_text if row is not None else None,
+            "applies_here": applies,
+            "applicability": why,
+        })
+    data = {
+        "shim": shim.id,
+        "summary": shim.summary,
+        "source": shim.source,
+        "module": _module_of(shim),
+        "targets": [t.key + (f" (when {dict(t.when)})" if t.when else "") for t in shim.targets],
+        "rows": rows,
+        "armed_here": any(r["applies_here"] for r in rows),
+    }
+    if as_json:
+        print_json(data)
+        return EXIT_OK
+    print(f"{shim.id}: {shim.summary}")
+    print(f"  module:      {data['module']}")
+    for target in data["targets"]:
+        print(f"  wraps:       {target}")
+    for row in rows:
+        rng = "; ".join(f"{d} {s}" for d, s in (row["affected"] or {}).items()) or "?"
+        print(f"  fixes:       {row['id']}: {rng}; fixed in {row['fixed_in']}")
+        print(f"               here: {'AFFECTED' if row['applies_here'] else 'not affected'} ({row['applicability']})")
+    print(f"  armed here:  {'yes' if data['armed_here'] else 'no'} (DEVMAP_SHIMS_FORCE={shim.id} arms it anyway)")
+    return EXIT_OK
+
+
+def _module_of(shim: Any) -> str:
+    """The module that declares ``shim`` (its wrapper's, or the first target wrapper's)."""
+    refs = [shim.wrapper] + [t.wrapper for t in shim.targets]
+    for ref in refs:
+        if ref is None:
+            continue
+        if isinstance(ref, str):
+            return ref.partition(":")[0]
+        module = getattr(ref, "__module__", None)
+        if module:
+            return str(module)
+    return "?"

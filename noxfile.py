@@ -37,7 +37,10 @@ def _pytest(session: nox.Session, stack: str, *paths: str) -> None:
 def engine(session: nox.Session) -> None:
     """The engine, matrix, CLI and packaging tests: no target library installed."""
     _install_stack(session, "test")
-    _pytest(session, "engine", "tests/engine", "tests/test_compat_matrix.py", "tests/test_versions.py")
+    _pytest(
+        session, "engine", "tests/engine", "tests/test_compat_matrix.py", "tests/test_versions.py",
+        "tests/test_shim_contract.py",
+    )
 
 
 def _stack_session(stack: str):

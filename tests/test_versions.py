@@ -1,4 +1,4 @@
-"""Normalised version comparison (research E5): torch builds people run must land in the right range."""
+"""Normalised version comparison: torch builds people run must land in the right range."""
 
 from __future__ import annotations
 

@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import devmap_shims
-from devmap_shims.shims import importhook
-from devmap_shims.shims.registry import REGISTRY
+from devmap_shims.shims.engine import ENGINE
 
 FAKELIB_CORE = '''
 def compute(x, scale=2):
@@ -45,7 +43,7 @@ class SubThing(Thing):
 '''
 
 
-def fake_row(bug_id: str = "fake-bug", spec: str = ">=1.0,<2.0", shim: str = "fake-fix", **extra):
+def fake_row(bug_id: str = "fake-bug", spec: str = ">=1.0,<2.0", **extra):
     row = {
         "id": bug_id,
         "title": "fakelib computes the wrong value",
@@ -56,7 +54,7 @@ def fake_row(bug_id: str = "fake-bug", spec: str = ">=1.0,<2.0", shim: str = "fa
         "root_cause": "off by one",
         "upstream": ["acme/fakelib#1"],
         "verification": ["I"],
-        "shim": shim,
+        "workaround": "upgrade fakelib",
     }
     row.update(extra)
     return row
@@ -66,24 +64,14 @@ def add_one(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs) + 1
 
 
-def reset_devmap_shims() -> None:
-    devmap_shims.uninstall()
-    devmap_shims._EXTRA_SHIMS.clear()
-    devmap_shims._EXTRA_ROWS.clear()
-    REGISTRY.warnings.clear()
-    REGISTRY.killed = False
-    REGISTRY.strict = False
-    importhook._hooks.clear()
-
-
 @pytest.fixture(autouse=True)
 def _clean_devmap_state(monkeypatch):
     for name in list(__import__("os").environ):
         if name.startswith("DEVMAP_SHIMS"):
             monkeypatch.delenv(name)
-    reset_devmap_shims()
+    ENGINE.reset()
     yield
-    reset_devmap_shims()
+    ENGINE.reset()
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import pytest
 
 import devmap_shims
 from devmap_shims import Shim, Target
-from devmap_shims.shims import catalog, config
-from devmap_shims.shims.registry import REGISTRY
+from devmap_shims.shims import config, plugins
+from devmap_shims.shims.engine import ENGINE
 
 from .conftest import add_one, fake_row
 
@@ -42,7 +42,7 @@ def test_unknown_ids_in_variables_list_the_known_ones(variable, monkeypatch):
 
 
 def test_malformed_plugin_row_is_dropped_with_its_name_and_field(fake_stack, caplog):
-    bad = fake_row("bad-row", spec="not a specifier", shim="fake-fix")
+    bad = fake_row("bad-row", spec="not a specifier")
     good = fake_row("fake-bug")
     devmap_shims.register(Shim("fake-fix", ("fake-bug",), (Target("fakelib.core", "compute"),), add_one), [bad, good])
     with caplog.at_level(logging.WARNING, logger="devmap_shims"):
@@ -67,16 +67,16 @@ class _EntryPoint:
 
 def test_plugin_colliding_with_a_builtin_id_is_renamed_and_said(monkeypatch):
     shim = Shim("device-map-balance", ("x",), (Target("acme.core", "f"),), add_one)
-    monkeypatch.setattr(catalog, "_entry_points", lambda group: [_EntryPoint("acme", [shim, shim])])
-    shims, problems = catalog.plugin_shims(["device-map-balance"], [])
+    monkeypatch.setattr(plugins, "_entry_points", lambda group: [_EntryPoint("acme", [shim, shim])])
+    shims, problems = plugins.plugin_shims(["device-map-balance"], [])
     assert [s.id for s in shims] == ["acme-plugin:device-map-balance"]
     assert any("is the id of a built-in shim; it is registered as 'acme-plugin:device-map-balance'" in p for p in problems)
     assert any("declared twice" in p for p in problems)
 
 
 def test_plugin_that_raises_on_import_is_skipped(monkeypatch):
-    monkeypatch.setattr(catalog, "_entry_points", lambda group: [_EntryPoint("boom", ImportError("No module named 'acme_missing'"))])
-    shims, problems = catalog.plugin_shims([], [])
+    monkeypatch.setattr(plugins, "_entry_points", lambda group: [_EntryPoint("boom", ImportError("No module named 'acme_missing'"))])
+    shims, problems = plugins.plugin_shims([], [])
     assert shims == []
     assert problems == [
         "plugin acme-plugin: shim entry point 'boom' (acme:boom) failed to load (ImportError: No module named "
@@ -85,8 +85,8 @@ def test_plugin_that_raises_on_import_is_skipped(monkeypatch):
 
 
 def test_plugin_entry_point_that_is_not_a_shim(monkeypatch):
-    monkeypatch.setattr(catalog, "_entry_points", lambda group: [_EntryPoint("odd", [42])])
-    shims, problems = catalog.plugin_shims([], [])
+    monkeypatch.setattr(plugins, "_entry_points", lambda group: [_EntryPoint("odd", [42])])
+    shims, problems = plugins.plugin_shims([], [])
     assert shims == [] and "gave 42, not a devmap_shims Shim" in problems[0]
 
 
@@ -97,4 +97,4 @@ def test_register_rejects_non_shims_and_duplicates():
     devmap_shims.register(shim)
     with pytest.raises(ValueError, match="already registered"):
         devmap_shims.register(shim)
-    assert REGISTRY.warnings == []
+    assert ENGINE.registry.warnings == []

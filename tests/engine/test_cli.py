@@ -53,6 +53,23 @@ def test_explain_known_and_unknown(capsys):
     assert code == 2 and "did you mean 'bnb-quantstate-code-not-moved'" in err
 
 
+def test_explain_a_shim_shows_its_module_targets_and_the_range_of_each_row(capsys):
+    from devmap_shims.compat_matrix import load_matrix
+
+    code, out, _ = run_cli(capsys, "explain", "quant-state-follows-weight")
+    assert code == 0
+    assert "module:      devmap_shims.hooks.bitsandbytes.quant_state_follows_weight" in out
+    assert "wraps:       bitsandbytes.nn.modules:Params4bit.to" in out
+    for bug_id in ("bnb-quantstate-code-not-moved", "bnb-params4bit-to-drops-bnb_quantized"):
+        row = load_matrix().get(bug_id)
+        assert f"fixes:       {bug_id}: {row.affected_text}; fixed in {row.fixed_in_text}" in out
+    code, out, _ = run_cli(capsys, "explain", "--json", "dispatch-skip-keys")
+    data = json.loads(out)
+    assert [r["id"] for r in data["rows"]] == [
+        "dispatch-without-skip-keys-moves-kv-cache", "accelerate-skip-keys-not-propagated"]
+    assert data["rows"][1]["affected"] == {"accelerate": ">=0.20.0,<1.0.0"}
+
+
 def test_explain_json_says_whether_it_applies(capsys):
     code, out, _ = run_cli(capsys, "explain", "--json", "balanced-memory-large-unquantized-embedding-collapse")
     data = json.loads(out)

@@ -100,7 +100,7 @@ ROWS = [{
     "root_cause": "demo",
     "upstream": ["acme/acme#1"],
     "verification": ["I"],
-    "shim": "fix-compute",
+    "workaround": "upgrade acme",
 }]
 
 def broken():

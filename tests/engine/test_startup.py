@@ -27,6 +27,32 @@ def test_import_and_install_import_no_target_library():
     assert json.loads(proc.stdout) == []
 
 
+def test_shim_modules_load_just_before_the_first_target_library_and_for_status(tmp_path):
+    """install() imports no shim module; the first import of a target library (a fake "torch" here)
+    loads them before that library's code runs; status() lists every shim either way."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(
+        "import sys\nLOADED_FIRST = sorted(m for m in sys.modules if m.startswith('devmap_shims.hooks.'))\n"
+    )
+    code = (
+        "import sys, json, devmap_shims; devmap_shims.install(); "
+        "before = sorted(m for m in sys.modules if m.startswith('devmap_shims.hooks.')); "
+        "import torch; "
+        "print(json.dumps([before, torch.LOADED_FIRST, [s['id'] for s in devmap_shims.status()['shims']]]))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path)] + sys.path)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    before, when_torch_ran, ids = json.loads(proc.stdout)
+    assert before == []
+    assert "devmap_shims.hooks.bitsandbytes.quant_state_follows_weight" in when_torch_ran
+    assert {"device-map-balance", "quant-state-follows-weight", "generate-input-device"} <= set(ids)
+    status_only = run_python("import json, devmap_shims; devmap_shims.install(); "
+                             "print(json.dumps([s['id'] for s in devmap_shims.status()['shims']]))")
+    assert json.loads(status_only.stdout) == ids
+
+
 def test_auto_enable_through_pth():
     proc = run_python(
         "import sys, devmap_shims; st = devmap_shims.status(); "

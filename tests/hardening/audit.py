@@ -28,12 +28,12 @@ def _layers(obj):
 def audit(expect_installed: bool) -> dict:
     import devmap_shims
     from devmap_shims.shims import wrapping
-    from devmap_shims.shims.registry import REGISTRY
+    from devmap_shims.shims.engine import ENGINE
 
     problems = []
     status = {s["id"]: s for s in devmap_shims.status()["shims"]}
     active = 0
-    for shim_id, entry in REGISTRY.shims.items():
+    for shim_id, entry in ENGINE.registry.shims.items():
         for index, target in enumerate(entry.targets):
             reported = status[shim_id]["targets"][index]["state"]
             if target.state == "active":
@@ -54,8 +54,8 @@ def audit(expect_installed: bool) -> dict:
             if reported != target.state and not (target.state == "pending" and reported == "skipped"):
                 problems.append(f"{target.target.key}: status() says {reported}, registry {target.state}")
     if not expect_installed:
-        if wrapping._OURS:
-            problems.append(f"{len(wrapping._OURS)} devmap layer(s) still in place after uninstall")
+        if wrapping.layers_in_place():
+            problems.append(f"{wrapping.layers_in_place()} devmap layer(s) still in place after uninstall")
         if devmap_shims.is_installed():
             problems.append("is_installed() is True after uninstall")
     return {"problems": problems, "active": active, "installed": devmap_shims.is_installed()}

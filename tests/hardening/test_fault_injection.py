@@ -14,18 +14,17 @@ import sys
 
 import pytest
 
-import devmap_shims
-from devmap_shims.compat_matrix import load_matrix
-from devmap_shims.scenarios import load_all, replay
-from devmap_shims.shims import registry as reg
+from devmap_shims.scenarios import all_scenarios
+from devmap_shims.scenarios.replay import replay
+from devmap_shims.shims import arming, catalog
+from devmap_shims.shims.engine import ENGINE
 
-MATRIX = load_matrix()
-SCENARIOS = load_all()
+SHIM_OF = catalog.shim_of_rows(catalog.builtin_shims()[0])
 CASES = [
-    pytest.param(row.shim, item, id=f"{row.shim}/{item.func.__name__}")
-    for row in MATRIX.rows
-    if row.shim
-    for item in SCENARIOS.get(row.id, [])
+    pytest.param(SHIM_OF[bug_id], item, id=f"{SHIM_OF[bug_id]}/{item.name}")
+    for bug_id, items in all_scenarios().items()
+    if bug_id in SHIM_OF
+    for item in items
 ]
 
 
@@ -45,12 +44,11 @@ def raise_after(wrapped, instance, args, kwargs):
 @pytest.fixture
 def broken_repairs(monkeypatch):
     def use(repair):
-        monkeypatch.setattr(reg, "resolve_ref", lambda ref: repair)
+        monkeypatch.setattr(arming, "wrapper_of", lambda shim, target: repair)
 
+    ENGINE.reset()
     yield use
-    devmap_shims.uninstall()
-    reg.REGISTRY.warnings.clear()
-    reg.REGISTRY.strict = False
+    ENGINE.reset()
 
 
 @pytest.mark.parametrize("repair", [raise_before, raise_after], ids=["before", "after"])
@@ -61,10 +59,9 @@ def test_failing_repair_falls_back_to_the_library(shim_id, item, repair, broken_
         pytest.skip(reference.detail)
     broken_repairs(repair)
     monkeypatch.setenv("DEVMAP_SHIMS_FORCE", shim_id)
-    reg.REGISTRY.warnings.clear()
     outcome = replay(item, shims=True, shim_id=shim_id)
     assert (outcome.ok, outcome.detail.split(" in ")[0][:80]) == (reference.ok, reference.detail.split(" in ")[0][:80])
-    warnings = [w for w in reg.REGISTRY.warnings if f"shim {shim_id!r}" in w]
+    warnings = [w for w in ENGINE.registry.warnings if f"shim {shim_id!r}" in w]
     if "failed" in outcome.shim_states:
         assert len(warnings) == 1, warnings  # once per shim, however many calls
         assert "Injected" in warnings[0]
@@ -89,9 +86,9 @@ def test_failing_post_import_hook_does_not_break_import_accelerate():
     pytest.importorskip("accelerate")
     code = (
         "import devmap_shims\n"
-        "from devmap_shims.shims import registry\n"
+        "from devmap_shims.shims import arming\n"
         "def broken(*a, **k):\n    raise RuntimeError('hook exploded')\n"
-        "registry._arm = broken\n"
+        "arming._arm = broken\n"
         "devmap_shims.install()\n"
         "import accelerate.utils.modeling as m\n"
         "states = [t['state'] for s in devmap_shims.status()['shims'] for t in s['targets'] "

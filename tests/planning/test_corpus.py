@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("bitsandbytes")
 
-from devmap_shims.planning import stack  # noqa: E402
+from devmap_shims.cli import device_map_step as stack  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,7 +142,9 @@ def test_accelerate_own_balancing_collapses_gemma_2_27b_and_the_shim_spreads_it(
     and ``load_checkpoint_and_dispatch(device_map="auto")`` use) on every stack."""
     import accelerate.utils.modeling as am
 
-    from devmap_shims.hooks import device_map as hook
+    from devmap_shims.hooks.accelerate import device_map_balance as hook
+    from devmap_shims.shims import ShimContext
+    from devmap_shims.shims.guard import bind_context
 
     name = "gemma-2-27b" if available(CASES[0]) else "gemma-7b"
     meta = meta_model(name, "4bit")
@@ -170,10 +172,10 @@ def test_accelerate_own_balancing_collapses_gemma_2_27b_and_the_shim_spreads_it(
     gbm, iadm = stack.original(am.get_balanced_memory), stack.original(am.infer_auto_device_map)
     with stack.quiet_missing_devices(), stack.gpu_context([23 * 2**30] * 8):
         plain = run(gbm, iadm)
-        fixed = run(
-            lambda *a, **k: hook.remember_balanced_memory(gbm, None, a, k),
-            lambda *a, **k: hook.repair_infer_auto_device_map(iadm, None, a, k),
-        )
+        context = ShimContext(hook.SHIM)
+        remember = bind_context(hook.remember_balanced_memory, context)
+        repair = bind_context(hook.repair_infer_auto_device_map, context)
+        fixed = run(lambda *a, **k: remember(gbm, None, a, k), lambda *a, **k: repair(iadm, None, a, k))
     assert set(plain.values()) == {7}
     assert set(fixed.values()) == set(range(8))
 

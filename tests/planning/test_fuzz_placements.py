@@ -525,7 +525,9 @@ def test_sequential_and_explicit_maps_pass_through_the_hooks(case: Case, strateg
     an explicit dict map (transformers 5 ``_get_device_map``), and for an ``infer_auto_device_map``
     call that no ``get_balanced_memory`` call prepared (accelerate's sequential path), however
     degenerate the map is."""
-    from devmap_shims.hooks import device_map as hook
+    from devmap_shims.hooks.accelerate import device_map_balance as hook
+    from devmap_shims.shims import ShimContext
+    from devmap_shims.shims.guard import bind_context
 
     STATS["examples"]["pass_through"] += 1
     computed = dict(case.original)
@@ -542,9 +544,9 @@ def test_sequential_and_explicit_maps_pass_through_the_hooks(case: Case, strateg
               clean_result=True):
         return computed
 
-    out = hook.repair_infer_auto_device_map(infer, None, (case.tree.model,),
-                                            {"max_memory": dict(case.budgets),
-                                             "no_split_module_classes": list(case.tree.no_split)})
+    repair = bind_context(hook.repair_infer_auto_device_map, ShimContext(hook.SHIM))
+    out = repair(infer, None, (case.tree.model,),
+                 {"max_memory": dict(case.budgets), "no_split_module_classes": list(case.tree.no_split)})
     assert out is computed
     assert out == case.original
 
@@ -558,7 +560,7 @@ def test_planning_runs_without_torch():
         """
         import sys
         from devmap_shims.planning import build_layout, repair
-        from devmap_shims.hooks import device_map as hook
+        from devmap_shims.hooks.accelerate import device_map_balance as hook
         layout = build_layout([("embed", 90)] + [(f"l{i}", 10) for i in range(8)])
         out = repair(layout, {"": 3}, {0: 100, 1: 100, 2: 100, 3: 100, "cpu": 1000})
         assert out.repaired and len(set(out.device_map.values())) > 1, out

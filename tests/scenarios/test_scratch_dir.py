@@ -12,7 +12,7 @@ import pytest
 SCRIPT = textwrap.dedent(
     """
     import os, sys
-    from devmap_shims.scenarios import scratch_dir
+    from devmap_shims.scenarios.checkpoints import scratch_dir
 
     folder = scratch_dir("scratch-test")
     open(os.path.join(folder, "model.safetensors"), "w").close()

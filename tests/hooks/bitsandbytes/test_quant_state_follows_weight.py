@@ -10,8 +10,6 @@ releases.
 from __future__ import annotations
 
 import copy
-import importlib
-import inspect
 import logging
 import pickle
 import subprocess
@@ -28,7 +26,8 @@ from bitsandbytes.nn import Int8Params, Params4bit  # noqa: E402
 import devmap_shims  # noqa: E402
 from devmap_shims.checks import check_devices  # noqa: E402
 from devmap_shims.compat_matrix import load_matrix  # noqa: E402
-from devmap_shims.hooks import quant_state as hook  # noqa: E402
+from devmap_shims.devices.quant_state import state_tensors  # noqa: E402
+from devmap_shims.hooks.bitsandbytes import quant_state_follows_weight as hook  # noqa: E402
 from devmap_shims.testing.nf4 import linear4bit, params4bit  # noqa: E402
 from devmap_shims.versions import installed_versions  # noqa: E402
 
@@ -47,11 +46,11 @@ def weight(rows=64, cols=128, seed=0, dtype=torch.float32):
 
 
 def state_devices(param):
-    return {name: str(t.device) for _o, _a, name, t in hook.state_tensors(param.quant_state)}
+    return {name: str(t.device) for _o, _a, name, t in state_tensors(param.quant_state)}
 
 
 def state_values(state):
-    return {name: t.detach().cpu().clone() for _o, _a, name, t in hook.state_tensors(state)}
+    return {name: t.detach().cpu().clone() for _o, _a, name, t in state_tensors(state)}
 
 
 def assert_same_state(state, reference):
@@ -62,52 +61,10 @@ def assert_same_state(state, reference):
 
 
 def shim_status():
-    return next(s for s in devmap_shims.status()["shims"] if s["id"] == hook.SHIM_ID)
+    return next(s for s in devmap_shims.status()["shims"] if s["id"] == hook.SHIM.id)
 
 
-# -- declaration ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("target", hook.SHIMS[0].targets, ids=lambda t: t.key)
-def test_declared_targets_exist_with_their_parameters_on_this_stack(target):
-    module = importlib.import_module(target.module)
-    owner_name, _, name = target.qualname.rpartition(".")
-    owner = getattr(module, owner_name)
-    assert name in vars(owner), f"{target.key} is inherited or missing: the shim would wrap the wrong class"
-    params = set(inspect.signature(vars(owner)[name]).parameters)
-    assert set(target.expect_params) <= params
-
-
-def test_shim_is_compile_reachable_and_fixes_both_rows():
-    (shim_record,) = hook.SHIMS
-    assert shim_record.compile_reachable
-    assert set(shim_record.fixes) == {hook.CODE_BUG, hook.FLAG_BUG}
-    for bug_id in shim_record.fixes:
-        assert MATRIX.get(bug_id).shim == hook.SHIM_ID
-
-
-def test_modules_import_no_target_library():
-    code = (
-        "import sys, devmap_shims.hooks.quant_state, devmap_shims.hooks.pipeline_to, devmap_shims.checks, "
-        "devmap_shims.scenarios.quant_state; "
-        "print(sorted(m for m in ('torch', 'bitsandbytes', 'diffusers', 'transformers') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
-
-
-# -- the matrix decides ------------------------------------------------------------------------------
-def test_installed_without_force_the_matrix_decides(no_shim):
-    devmap_shims.install(only=[hook.SHIM_ID])
-    bnb.functional  # noqa: B018 - already imported: the targets are armed at install
-    status = shim_status()
-    if CODE_BUG_HERE or FLAG_BUG_HERE:
-        assert status["state"] == "active"
-        assert isinstance(vars(Params4bit)["to"], type(lambda: None)) and hasattr(vars(Params4bit)["to"], "__wrapped__")
-    else:
-        assert status["state"] == "skipped"
-        assert "not affected" in status["applicability"]
-        assert not hasattr(vars(Params4bit)["to"], "__wrapped__")
-
-
+# -- what the user sees ---------------------------------------------------------------------------------
 def test_doctor_says_whether_the_shim_is_on():
     out = subprocess.run(
         [sys.executable, "-m", "devmap_shims", "doctor", "--json"], capture_output=True, text=True, check=True
@@ -116,7 +73,7 @@ def test_doctor_says_whether_the_shim_is_on():
 
     report = json.loads(out.stdout[out.stdout.index("{"):])
     shims = {s["id"]: s for s in report["shims"]}
-    entry = shims[hook.SHIM_ID]
+    entry = shims[hook.SHIM.id]
     assert entry["applies"] == (CODE_BUG_HERE or FLAG_BUG_HERE)
     if not entry["applies"]:
         assert entry["state"] == "skipped" and "not affected" in entry["applicability"]
@@ -176,7 +133,7 @@ def test_module_to_leaves_strays_without_and_none_with_the_shim(no_shim):
         assert {s["device"] for s in strays} == {"cuda:0"} and {s["shape"] for s in strays} == {(16,)}
     else:
         assert strays == []
-    devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+    devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id])
     repaired = model().to("cuda:1")
     assert check_devices(repaired) == []
     assert repaired[0].quant_state is repaired[0].weight.quant_state
@@ -214,7 +171,7 @@ def test_with_the_shim_moves_keep_bnb_quantized_and_the_bits(shim):
 def test_a_parameter_from_an_unrepaired_move_is_not_quantized_again(no_shim):
     param = params4bit(weight(), "cuda:0").to("cuda:1")  # bnb_quantized may be False here
     packed = param.data.cpu().clone()
-    devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+    devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id])
     again = param.to("cuda:0")
     assert again.bnb_quantized is True and torch.equal(again.data.cpu(), packed)
 
@@ -247,7 +204,7 @@ def _same_tensor(a, b):
 def test_a_params4bit_without_quant_state_passes_through(no_shim):
     data = weight(8, 16)  # 128 values: bitsandbytes 0.48 segfaults quantizing exactly one 64-value block on CPU
     expected = [Params4bit(data.clone(), quant_type="nf4").to(move) for move in ("cpu", torch.float16, "meta")]
-    devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+    devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id])
     got = [Params4bit(data.clone(), quant_type="nf4").to(move) for move in ("cpu", torch.float16, "meta")]
     for a, b in zip(got, expected):  # bitsandbytes >= 0.46 quantizes on .to("cpu"); older ones do not
         assert type(a) is type(b) and a.dtype == b.dtype and a.device == b.device
@@ -272,7 +229,7 @@ def test_a_model_without_bitsandbytes_layers_moves_exactly_as_without_the_shim(n
         return model.state_dict()
 
     expected = run()
-    devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+    devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id])
     with caplog.at_level(logging.DEBUG, logger="devmap_shims.hooks"):
         got = run()
     assert expected.keys() == got.keys()
@@ -346,7 +303,7 @@ def test_pickle_and_deepcopy_of_a_parameter_and_a_model_survive(no_shim):
 
     param, model = build()
     unpatched = [_describe(_pickled(param)), _describe(_pickled(model)[0].weight)]
-    devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+    devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id])
     param, model = build()
     patched = [_describe(_pickled(param)), _describe(_pickled(model)[0].weight)]
     assert all(_same_description(a, b) for a, b in zip(patched, unpatched))
@@ -369,7 +326,7 @@ def test_pickle_and_deepcopy_of_a_parameter_and_a_model_survive(no_shim):
     assert reloaded.stdout.decode().strip().splitlines()[-1] == "Linear4bit torch.Size([16])"
 
 
-# -- the wrappers themselves (no engine), and failing open --------------------------------------------
+# -- the wrappers themselves, without the engine --------------------------------------------
 @SIM
 def test_repair_functions_called_with_the_real_originals(no_shim):
     param = params4bit(weight(), "cuda:0", compress_statistics=True)
@@ -381,18 +338,3 @@ def test_repair_functions_called_with_the_real_originals(no_shim):
     assert moved.bnb_quantized is True and set(state_devices(moved).values()) == {"cuda:0"}
     again = hook.repair_params4bit_to(original_to.__get__(moved), moved, ("cuda:1",), {})
     assert again.bnb_quantized is True and str(again.device) == "cuda:1"
-
-
-@SIM
-def test_a_failing_repair_returns_the_original_result_and_warns_once(shim, monkeypatch, caplog):
-    def broken(state, device):
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(hook, "align_state", broken)
-    with caplog.at_level(logging.WARNING, logger="devmap_shims"):
-        first = params4bit(weight(), "cuda:0").to("cuda:1")
-        second = params4bit(weight(), "cuda:0").to("cuda:1")
-    assert str(first.device) == "cuda:1" and str(second.device) == "cuda:1"
-    warnings = [r for r in caplog.records if hook.SHIM_ID in r.getMessage()]
-    assert len(warnings) == 1 and "boom" in warnings[0].getMessage()
-    assert shim_status()["state"] == "failed"

@@ -14,8 +14,10 @@ import textwrap
 
 import pytest
 
-from devmap_shims.hooks import launcher as hook
-from devmap_shims.shims.registry import REGISTRY, ShimError
+from devmap_shims.hooks.accelerate import launcher_sharding_guard as hook
+from devmap_shims.shims import ShimContext, ShimError
+from devmap_shims.shims.guard import bind_context
+from devmap_shims.shims.registry import Registry
 
 
 class _Model:
@@ -30,16 +32,18 @@ def launch(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    hook.reset()
-    yield
-    hook.reset()
 
 
 @pytest.fixture
-def fresh_registry(monkeypatch):
-    monkeypatch.setattr(REGISTRY, "warnings", [])
-    monkeypatch.setattr(REGISTRY, "strict", False)
-    yield REGISTRY
+def registry():
+    """A registry of its own, to read the warnings the shim's context reports."""
+    return Registry()
+
+
+@pytest.fixture
+def context(registry):
+    """The shim's context as an install gives it: fresh state, reporting to ``registry``."""
+    return ShimContext(hook.SHIM, registry)
 
 
 @pytest.mark.parametrize(
@@ -76,38 +80,33 @@ def test_a_single_process_is_fine(monkeypatch, world):
     assert hook.sharding_message(_Model({"model": 0, "lm_head": 1}), "x") is None
 
 
-def test_warns_once_per_process(launch, fresh_registry):
+def test_warns_once_per_install(launch, context, registry):
     sharded = _Model({"model": 0, "lm_head": 1})
-    hook.check(sharded, "first")
-    hook.check(sharded, "second")
-    assert len(fresh_registry.warnings) == 1 and "first" in fresh_registry.warnings[0]
+    hook.check(context, sharded, "first")
+    hook.check(context, sharded, "second")
+    assert len(registry.warnings) == 1 and "first" in registry.warnings[0]
+    hook.check(ShimContext(hook.SHIM, registry), sharded, "after a new install")
+    assert len(registry.warnings) == 2, "a new install starts with fresh state"
 
 
-def test_strict_mode_raises(launch, fresh_registry):
-    fresh_registry.strict = True
+def test_strict_mode_raises(launch, context, registry):
+    registry.strict = True
     with pytest.raises(ShimError, match="process 1 of 2"):
-        hook.check(_Model({"model": 0, "lm_head": 1}), "from_pretrained")
+        hook.check(context, _Model({"model": 0, "lm_head": 1}), "from_pretrained")
 
 
-def test_wrappers_return_the_originals_results_untouched(launch, fresh_registry):
+def test_wrappers_see_loading_info_tuples_and_warn_once(launch, context, registry):
+    after_load = bind_context(hook.check_after_from_pretrained, context)
+    before_generate = bind_context(hook.check_before_generate, context)
     one_gpu = _Model({"": 1})
     result = (one_gpu, {"missing_keys": []})  # from_pretrained(..., output_loading_info=True)
-    assert hook.check_after_from_pretrained(lambda *a, **k: result, None, ("path",), {}) is result
+    assert after_load(lambda *a, **k: result, None, ("path",), {}) is result
     marker = object()
-    assert hook.check_before_generate(lambda *a, **k: marker, one_gpu, (), {}) is marker
-    assert fresh_registry.warnings == []
+    assert before_generate(lambda *a, **k: marker, one_gpu, (), {}) is marker
+    assert registry.warnings == []
     sharded = _Model({"model": 0, "lm_head": 1})
-    assert hook.check_after_from_pretrained(lambda *a, **k: (sharded, {}), None, ("path",), {})[0] is sharded
-    assert len(fresh_registry.warnings) == 1
-
-
-def test_hook_targets_exist_on_this_stack():
-    pytest.importorskip("transformers")
-    from transformers.generation.utils import GenerationMixin
-    from transformers.modeling_utils import PreTrainedModel
-
-    assert "_prepare_generation_config" in vars(GenerationMixin)
-    assert "from_pretrained" in vars(PreTrainedModel)
+    assert after_load(lambda *a, **k: (sharded, {}), None, ("path",), {})[0] is sharded
+    assert len(registry.warnings) == 1
 
 
 # -- the real thing: torchrun, two ranks, each sharding a model over its two simulated GPUs -------------
@@ -118,7 +117,6 @@ WORKER = textwrap.dedent(
     import torch
     import torch.distributed as dist
     import devmap_shims
-    from devmap_shims.hooks import launcher
     from devmap_shims.testing import simulated_gpus
     from devmap_shims.testing.models import PAD_ID, sample_input_ids
     from transformers import AutoModelForCausalLM
@@ -142,7 +140,8 @@ WORKER = textwrap.dedent(
         sharded = AutoModelForCausalLM.from_pretrained(sys.argv[1], device_map="auto")
         report["sharded"] = [sorted({str(p.device) for p in sharded.parameters()}), guard_warnings()]
         phase("sharded copy loaded")
-        launcher.reset()  # forget the warning, to see the one given when generate starts
+        devmap_shims.uninstall()  # a new install forgets the warning: see the one given when generate starts
+        devmap_shims.install()
         ids = sample_input_ids().to("cuda:0")
         out = sharded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                                pad_token_id=PAD_ID)
@@ -165,7 +164,7 @@ def _torchrun(tmp_path, checkpoint, **env_extra):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
-    env.update(DEVMAP_SHIMS="1", DEVMAP_SHIMS_FORCE=hook.SHIM_ID, OMP_NUM_THREADS="1", **env_extra)
+    env.update(DEVMAP_SHIMS="1", DEVMAP_SHIMS_FORCE=hook.SHIM.id, OMP_NUM_THREADS="1", **env_extra)
     try:
         return subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),

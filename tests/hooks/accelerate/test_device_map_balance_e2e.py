@@ -23,7 +23,7 @@ if torch.version.cuda is None:  # pragma: no cover - the simulator needs a CUDA 
     pytest.skip("the GPU simulator needs a CUDA build of torch", allow_module_level=True)
 
 import devmap_shims  # noqa: E402
-from devmap_shims.hooks import device_map as hook  # noqa: E402
+from devmap_shims.hooks.accelerate import device_map_balance as hook  # noqa: E402
 from devmap_shims.testing import simulated_gpus  # noqa: E402
 from devmap_shims.testing.models import greedy_generate, sample_input_ids, save_tiny_causal_lm  # noqa: E402
 
@@ -98,8 +98,8 @@ def test_without_the_shim_gpus_are_left_idle(checkpoint, no_shims):
 
 
 def test_with_the_shim_it_spreads_and_generates_the_cpu_tokens(checkpoint, cpu_tokens, no_shims, caplog):
-    caplog.set_level(logging.INFO, logger="devmap_shims.hooks.device_map")
-    assert devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+    caplog.set_level(logging.INFO, logger=hook.__name__)
+    assert devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id])
     with simulated_gpus(GPUS, memory=GPU_MEMORY) as machine:
         model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, device_map="auto", **load_kwargs())
         devices = param_devices(model)

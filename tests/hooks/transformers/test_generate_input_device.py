@@ -23,7 +23,9 @@ if torch.version.cuda is None:  # pragma: no cover - the simulator needs a CUDA 
     pytest.skip("the GPU simulator needs a CUDA build of torch", allow_module_level=True)
 
 import devmap_shims  # noqa: E402
-from devmap_shims.hooks import generate as hook  # noqa: E402
+from devmap_shims.hooks.transformers import _generate_overrides as overrides  # noqa: E402
+from devmap_shims.hooks.transformers import generate_input_device as hook  # noqa: E402
+from devmap_shims.shims.engine import ENGINE  # noqa: E402
 from devmap_shims.shims import wrapping  # noqa: E402
 from devmap_shims.testing import simulated_gpus  # noqa: E402
 from devmap_shims.testing.models import PAD_ID, greedy_generate, sample_input_ids, save_tiny_causal_lm  # noqa: E402
@@ -76,10 +78,10 @@ def _tokens(out, ids):
 
 def test_override_scan_matches_the_classes_of_the_installed_transformers():
     """The text scan finds exactly the classes that define generate (checked by importing them)."""
-    root = hook.transformers_root()
+    root = overrides.transformers_root()
     assert root is not None and os.path.samefile(root, os.path.dirname(transformers.__file__))
-    found = set(hook.scan_generate_overrides(root))
-    files = dict(hook._model_files(root))
+    found = set(overrides.scan_generate_overrides(root))
+    files = dict(overrides._model_files(root))
     truth = set()
     for module_name, path in files.items():
         with open(path, "rb") as handle:
@@ -121,7 +123,7 @@ class C:
 CONSTANT = 1
     def generate(self):
 '''
-    assert hook.classes_defining_generate(source) == ["A", "C"]
+    assert overrides.classes_defining_generate(source) == ["A", "C"]
 
 
 def test_override_list_is_cached_per_install_and_rescanned_when_files_change(tmp_path, monkeypatch):
@@ -134,21 +136,21 @@ def test_override_list_is_cached_per_install_and_rescanned_when_files_change(tmp
     (model_dir / "modeling_toy.py").write_text("class ToyForX:\n    def generate(self):\n        pass\n")
     (model_dir / "modeling_tf_toy.py").write_text("class TFToy:\n    def generate(self):\n        pass\n")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    first = hook.generate_overrides(str(root))
+    first = overrides.generate_overrides(str(root))
     assert first == [("transformers.models.toy.modeling_toy", "ToyForX")]
     assert len(list((tmp_path / "cache" / "devmap_shims").iterdir())) == 1
 
     def no_scan(_root):
         raise AssertionError("a cache hit must not rescan")
 
-    monkeypatch.setattr(hook, "scan_generate_overrides", no_scan)
-    assert hook.generate_overrides(str(root)) == first
+    monkeypatch.setattr(overrides, "scan_generate_overrides", no_scan)
+    assert overrides.generate_overrides(str(root)) == first
     monkeypatch.undo()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     # An upgrade rewrites generation/utils.py: the key changes and the files are read again.
     (model_dir / "generation_toy.py").write_text("class ToyGenerationMixin:\n    def generate(self):\n        pass\n")
     (root / "generation" / "utils.py").write_text("class GenerationMixin:\n    def generate(self, x=None): pass\n")
-    assert hook.generate_overrides(str(root)) == [
+    assert overrides.generate_overrides(str(root)) == [
         ("transformers.models.toy.generation_toy", "ToyGenerationMixin"),
         ("transformers.models.toy.modeling_toy", "ToyForX"),
     ]
@@ -158,38 +160,39 @@ def test_unwritable_cache_still_gives_the_list(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
-    assert hook.generate_overrides() == hook.scan_generate_overrides(hook.transformers_root())
+    assert overrides.generate_overrides() == overrides.scan_generate_overrides(overrides.transformers_root())
 
 
-def test_shim_declares_the_mixin_and_every_override(shim):
-    targets = {t.key for t in hook.SHIMS[0].targets}
-    assert "transformers.generation.utils:GenerationMixin.generate" in targets
-    for module, cls in hook.generate_overrides():
-        assert f"{module}:{cls}.generate" in targets
+def test_the_shim_declares_the_mixin_and_adds_every_override_once_it_arms(shim):
+    assert [t.key for t in hook.SHIM.targets] == ["transformers.generation.utils:GenerationMixin.generate"]
+    targets = {t.target.key for t in ENGINE.registry.shims[hook.SHIM.id].targets}
+    assert targets == {"transformers.generation.utils:GenerationMixin.generate"} | {
+        f"{module}:{cls}.generate" for module, cls in overrides.generate_overrides()
+    }
+
+
+def test_the_override_scan_runs_only_where_the_shim_arms(no_shim, monkeypatch):
+    scans = []
+    monkeypatch.setattr(overrides, "generate_overrides", lambda: scans.append(1) or [])
+    devmap_shims.install(only=[hook.SHIM.id], exclude=[hook.SHIM.id])
+    import transformers.generation.utils  # noqa: F401
+
+    assert scans == []
+    devmap_shims.uninstall()
+    devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id])
+    assert scans == [1]
 
 
 def test_installed_shim_wraps_the_mixin_and_an_override_when_its_module_loads(shim):
     from transformers.generation.utils import GenerationMixin
 
     assert wrapping.is_ours(vars(GenerationMixin)["generate"])
-    module_name, cls = next((m, c) for m, c in hook.generate_overrides() if m.endswith("generation_whisper"))
+    module_name, cls = next((m, c) for m, c in overrides.generate_overrides() if m.endswith("generation_whisper"))
     module = importlib.import_module(module_name)
     assert wrapping.is_ours(vars(getattr(module, cls))["generate"])
     states = {t["target"]: t["state"] for s in devmap_shims.status()["shims"] for t in s["targets"]}
     assert states["transformers.generation.utils:GenerationMixin.generate"] == "active"
     assert states[f"{module_name}:{cls}.generate"] == "active"
-
-
-def test_importing_the_hook_module_imports_no_target_library():
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, devmap_shims.hooks.generate, devmap_shims.hooks.dispatch, devmap_shims.hooks.launcher; "
-        "print([m for m in ('torch', 'transformers', 'accelerate', 'logging', 'inspect', 'typing') if m in sys.modules])"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
 
 
 # -- behaviour on simulated GPUs ---------------------------------------------------------------------
@@ -231,7 +234,7 @@ def test_cpu_inputs_to_a_split_model_no_longer_warn_and_keep_tokens_and_devices(
     with simulated_gpus(2, memory=GPU_MEMORY):
         model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, device_map=device_map)
         plain, plain_warned = _generate(model, ids)
-        devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+        devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id])
         try:
             shimmed, shimmed_warned = _generate(model, ids)
             beams, _ = _generate(model, ids, num_beams=2)
@@ -369,19 +372,3 @@ def test_original_errors_propagate_unchanged(model_on_cuda1, shim):
 
     with pytest.raises(ValueError, match="the library's own error"):
         hook.align_generate_inputs(broken, model_on_cuda1, (torch.tensor([[3]]),), {})
-
-
-def test_shim_is_armed_exactly_where_the_matrix_says(no_shim):
-    from devmap_shims.compat_matrix import load_matrix
-    from devmap_shims.versions import installed_versions
-
-    matrix = load_matrix()
-    devmap_shims.install(only=[hook.SHIM_ID])
-    try:
-        import transformers.generation.utils  # noqa: F401
-
-        state = next(s for s in devmap_shims.status()["shims"] if s["id"] == hook.SHIM_ID)["targets"][0]["state"]
-    finally:
-        devmap_shims.uninstall()
-    applies = matrix.get("generate-input-device-type-warning").applies(installed_versions(matrix.distributions()))
-    assert state == ("active" if applies else "skipped")

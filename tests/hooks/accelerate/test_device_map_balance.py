@@ -3,7 +3,6 @@ the engine (``devmap_shims.install``) on a meta-device Gemma-2-27B skeleton."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections import OrderedDict
 
@@ -17,12 +16,12 @@ import accelerate.utils.modeling as am  # noqa: E402
 import transformers  # noqa: E402
 
 import devmap_shims  # noqa: E402
-from devmap_shims.hooks import device_map as hook  # noqa: E402
-from devmap_shims.planning import stack  # noqa: E402
+from devmap_shims.cli import device_map_step as stack  # noqa: E402
+from devmap_shims.hooks.accelerate import device_map_balance as hook  # noqa: E402
 
 GiB = 2**30
 V5 = int(transformers.__version__.split(".")[0]) >= 5
-LOGGER = "devmap_shims.hooks.device_map"
+LOGGER = hook.__name__
 
 GEMMA_27B = dict(
     vocab_size=256000, hidden_size=4608, intermediate_size=36864, num_hidden_layers=46,
@@ -63,39 +62,6 @@ def gpus(n, gib=23, cpu=180):
 
 def repairs(caplog):
     return [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.INFO]
-
-
-# -- the declaration ----------------------------------------------------------------------------
-
-
-def test_declared_targets_exist_with_the_expected_parameters_on_this_stack():
-    import importlib
-
-    (shim,) = hook.SHIMS
-    assert shim.id == hook.SHIM_ID and hook.BUG_ID in shim.fixes
-    checked = 0
-    for target in shim.targets:
-        if target.when.get("transformers") == ">=5" and not V5:
-            continue
-        module = importlib.import_module(target.module)
-        func = getattr(module, target.qualname)
-        params = inspect.signature(func).parameters
-        assert set(target.expect_params) <= set(params), target.key
-        checked += 1
-    assert checked == (3 if V5 else 2)
-
-
-def test_importing_the_hook_module_imports_no_target_library():
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, devmap_shims.hooks.device_map as h; "
-        "bad = [m for m in ('torch', 'transformers', 'accelerate', 'bitsandbytes') if m in sys.modules]; "
-        "print(bad); sys.exit(1 if bad else 0)"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
 
 
 # -- wrappers called with the real originals ------------------------------------------------------
@@ -143,7 +109,7 @@ def test_result_object_is_passed_through_untouched_when_nothing_is_wrong(gemma):
     assert out is sentinel and calls == [explicit, "sequential"]
 
 
-def test_explicit_dict_map_is_returned_unchanged_by_the_library_path(gemma):
+def test_explicit_dict_map_is_returned_unchanged_by_the_library_path(gemma, direct):
     explicit = {"": 3}
     if V5:
         from transformers.integrations import accelerate as tia
@@ -157,10 +123,11 @@ def test_explicit_dict_map_is_returned_unchanged_by_the_library_path(gemma):
         original = stack.original(am.infer_auto_device_map)
         kwargs = dict(max_memory={i: 2 * GiB for i in range(8)},
                       no_split_module_classes=list(gemma.model._no_split_modules))
+        repair = direct(hook.SHIM, hook.repair_infer_auto_device_map)
         with stack.quiet_missing_devices(), stack.gpu_context([23 * GiB] * 8):
-            direct = original(gemma.model, **kwargs)
-            through = hook.repair_infer_auto_device_map(original, None, (gemma.model,), dict(kwargs))
-        assert through == direct
+            plain = original(gemma.model, **kwargs)
+            through = repair(original, None, (gemma.model,), dict(kwargs))
+        assert through == plain
 
 
 def accelerate_pair_inputs(meta):
@@ -179,11 +146,17 @@ def accelerate_pair_inputs(meta):
 
 
 def run_pair(model, user, kwargs, factor=0.9, shim=True, second_infer=False):
+    from devmap_shims.shims import ShimContext
+    from devmap_shims.shims.guard import bind_context
+
     gbm = stack.original(am.get_balanced_memory)
     iadm = stack.original(am.infer_auto_device_map)
     if shim:
-        call_gbm = lambda *a, **k: hook.remember_balanced_memory(gbm, None, a, k)  # noqa: E731
-        call_iadm = lambda *a, **k: hook.repair_infer_auto_device_map(iadm, None, a, k)  # noqa: E731
+        context = ShimContext(hook.SHIM)
+        remember = bind_context(hook.remember_balanced_memory, context)
+        repair = bind_context(hook.repair_infer_auto_device_map, context)
+        call_gbm = lambda *a, **k: remember(gbm, None, a, k)  # noqa: E731
+        call_iadm = lambda *a, **k: repair(iadm, None, a, k)  # noqa: E731
     else:
         call_gbm, call_iadm = gbm, iadm
     with stack.quiet_missing_devices(), stack.gpu_context([23 * GiB] * 8):
@@ -228,25 +201,13 @@ def test_balanced_low_0_keeps_gpu0_empty(gemma):
     assert 0 not in fixed.values() and set(fixed.values()) == set(range(1, 8))
 
 
-def test_original_exceptions_propagate_unchanged(gemma):
-    def broken(*args, **kwargs):
-        raise ValueError("library says no")
-
-    with pytest.raises(ValueError, match="library says no"):
-        hook.repair_get_device_map(broken, None, (gemma.model, "auto", None, None), {})
-    with pytest.raises(ValueError, match="library says no"):
-        hook.repair_infer_auto_device_map(broken, None, (gemma.model,), {})
-    with pytest.raises(ValueError, match="library says no"):
-        hook.remember_balanced_memory(broken, None, (gemma.model,), {})
-
-
 # -- through the engine ----------------------------------------------------------------------------
 
 
 @pytest.fixture
 def installed():
     devmap_shims.uninstall()
-    assert devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+    assert devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id])
     yield
     devmap_shims.uninstall()
 
@@ -256,7 +217,7 @@ def _library_step(meta, strategy, max_memory):
     if V5:
         from transformers.integrations import accelerate as tia
 
-        with stack.quiet_missing_devices(), stack._no_environment_check(meta.quantizer), stack.gpu_context():
+        with stack.quiet_missing_devices(), stack.no_environment_check(meta.quantizer), stack.gpu_context():
             return tia._get_device_map(meta.model, strategy, dict(max_memory), meta.quantizer)
     model, q, dt = meta.model, meta.quantizer, meta.dtype
     special = q.get_special_dtypes_update(model, dt)
@@ -289,7 +250,7 @@ def test_status_reports_the_shim_active(installed):
     import accelerate.utils.modeling  # noqa: F401
 
     status = devmap_shims.status()
-    (entry,) = [s for s in status["shims"] if s["id"] == hook.SHIM_ID]
+    (entry,) = [s for s in status["shims"] if s["id"] == hook.SHIM.id]
     states = {t["target"]: t["state"] for t in entry["targets"]}
     assert states["accelerate.utils.modeling:infer_auto_device_map"] == "active"
     assert states["accelerate.utils.modeling:get_balanced_memory"] == "active"
@@ -297,6 +258,6 @@ def test_status_reports_the_shim_active(installed):
         import transformers.integrations.accelerate  # noqa: F401
 
         status = devmap_shims.status()
-        (entry,) = [s for s in status["shims"] if s["id"] == hook.SHIM_ID]
+        (entry,) = [s for s in status["shims"] if s["id"] == hook.SHIM.id]
         states = {t["target"]: t["state"] for t in entry["targets"]}
         assert states["transformers.integrations.accelerate:_get_device_map"] == "active"

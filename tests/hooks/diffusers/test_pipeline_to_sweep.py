@@ -21,14 +21,13 @@ try:
     from diffusers import BitsAndBytesConfig, FluxPipeline, FluxTransformer2DModel  # noqa: E402, F401
 except ImportError:  # diffusers < 0.31: no Flux, no bitsandbytes-quantized models
     pytest.skip(f"diffusers {diffusers.__version__} has no Flux or bitsandbytes quantization", allow_module_level=True)
-from diffusers.models.modeling_utils import ModelMixin  # noqa: E402
-from diffusers.pipelines.pipeline_utils import DiffusionPipeline  # noqa: E402
 
 import devmap_shims  # noqa: E402
 from devmap_shims.checks import check_devices  # noqa: E402
 from devmap_shims.compat_matrix import load_matrix  # noqa: E402
-from devmap_shims.hooks import pipeline_to as hook  # noqa: E402
-from devmap_shims.hooks import quant_state as qs_hook  # noqa: E402
+from devmap_shims.devices.quant_state import state_tensors  # noqa: E402
+from devmap_shims.hooks.bitsandbytes import quant_state_follows_weight as qs_hook  # noqa: E402
+from devmap_shims.hooks.diffusers import pipeline_to_sweep as hook  # noqa: E402
 from devmap_shims.testing import simulated_gpus  # noqa: E402
 from devmap_shims.testing.models import tiny_flux_pipeline  # noqa: E402
 from devmap_shims.testing.nf4 import save_prequantized_flux_transformer  # noqa: E402
@@ -42,7 +41,7 @@ VERSIONS = installed_versions(MATRIX.distributions())
 LOAD_BUG_HERE = MATRIX.get(hook.BUG_ID).applies(VERSIONS)
 CODE_BUG_HERE = MATRIX.get(qs_hook.CODE_BUG).applies(VERSIONS)
 DIFFUSERS_REFUSES_DEVICE_MAP = installed_versions(["diffusers"])["diffusers"].split(".")[:2] in (["0", "31"], ["0", "32"])
-LOGGER = "devmap_shims.hooks.pipeline_to"
+LOGGER = hook.__name__
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +92,7 @@ def snapshot(model):
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
             out[name] = module.weight.data.cpu().clone()
-            for _o, _a, sub, tensor in qs_hook.state_tensors(module.weight.quant_state):
+            for _o, _a, sub, tensor in state_tensors(module.weight.quant_state):
                 out[f"{name}.{sub}"] = tensor.cpu().clone()
     return out
 
@@ -102,29 +101,6 @@ def assert_same_snapshot(a, b):
     assert a.keys() == b.keys()
     for key in a:
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-
-
-# -- declaration ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("target", hook.SHIMS[0].targets, ids=lambda t: t.key)
-def test_declared_targets_are_defined_on_the_named_classes(target):
-    owner = {"DiffusionPipeline": DiffusionPipeline, "ModelMixin": ModelMixin}[target.qualname.split(".")[0]]
-    name = target.qualname.split(".")[1]
-    assert name in vars(owner), f"{target.key} is inherited here: the shim would wrap torch.nn.Module"
-    import inspect
-
-    function = vars(owner)[name]
-    function = getattr(function, "__func__", function)
-    assert set(target.expect_params) <= set(inspect.signature(function).parameters)
-
-
-def test_installed_without_force_the_matrix_decides():
-    devmap_shims.uninstall()
-    try:
-        devmap_shims.install(only=[hook.SHIM_ID])
-        status = next(s for s in devmap_shims.status()["shims"] if s["id"] == hook.SHIM_ID)
-        assert status["state"] == ("active" if LOAD_BUG_HERE else "skipped"), status
-    finally:
-        devmap_shims.uninstall()
 
 
 @pytest.mark.parametrize(
@@ -167,7 +143,7 @@ def test_pipe_to_second_gpu_leaves_strays_without_and_none_with_the_sweep(checkp
         assert all(s["name"].startswith("transformer.") and s["name"].endswith(".quant_state.code") for s in strays)
     else:
         assert strays == []
-    shims(hook.SHIM_ID)
+    shims(hook.SHIM.id)
     with simulated_gpus(2, memory="1GiB"), torch.no_grad(), caplog.at_level(logging.INFO, logger=LOGGER):
         pipe = pipeline_with(load_4bit(checkpoint))
         pipe.to("cuda:1")
@@ -196,7 +172,7 @@ def test_the_gemv_device_check_fails_without_and_passes_with_the_shims(checkpoin
     if CODE_BUG_HERE:
         # bitsandbytes 0.44 raises it as a TypeError, 0.45 as a RuntimeError
         assert isinstance(without, (RuntimeError, TypeError)) and "need to be on the same GPU" in str(without)
-    shims(hook.SHIM_ID, qs_hook.SHIM_ID)
+    shims(hook.SHIM.id, qs_hook.SHIM.id)
     with simulated_gpus(2, memory="1GiB"), torch.no_grad():
         pipe = pipeline_with(load_4bit(checkpoint))
         pipe.to("cuda:1")
@@ -207,7 +183,7 @@ def test_the_gemv_device_check_fails_without_and_passes_with_the_shims(checkpoin
             assert "same GPU" not in str(exc), exc
 
 
-@pytest.mark.parametrize("ids", [(hook.SHIM_ID,), (hook.SHIM_ID, qs_hook.SHIM_ID)], ids=["sweep", "sweep+quant-state"])
+@pytest.mark.parametrize("ids", [(hook.SHIM.id,), (hook.SHIM.id, qs_hook.SHIM.id)], ids=["sweep", "sweep+quant-state"])
 def test_round_trips_and_dtype_moves_keep_state_consistent_and_weights_identical(checkpoint, shims, ids, caplog):
     shims(*ids)
     with simulated_gpus(2, memory="1GiB"), torch.no_grad(), caplog.at_level(logging.INFO, logger=LOGGER):
@@ -224,7 +200,7 @@ def test_round_trips_and_dtype_moves_keep_state_consistent_and_weights_identical
 
 
 def test_a_model_move_outside_a_pipeline_is_swept_and_logged(checkpoint, shims, caplog):
-    shims(hook.SHIM_ID)
+    shims(hook.SHIM.id)
     with simulated_gpus(2, memory="1GiB"), torch.no_grad(), caplog.at_level(logging.INFO, logger=LOGGER):
         transformer = load_4bit(checkpoint)
         transformer.to("cuda:1")
@@ -253,7 +229,7 @@ def _tensors(pipe):
 def test_a_pipeline_without_quantized_components_moves_as_without_the_shim(shims, caplog):
     with simulated_gpus(2, memory="1GiB"), torch.no_grad():
         expected = _tensors(pipeline_with().to("cuda:1"))
-    shims(hook.SHIM_ID)
+    shims(hook.SHIM.id)
     with simulated_gpus(2, memory="1GiB"), torch.no_grad(), caplog.at_level(logging.INFO, logger=LOGGER):
         got = _tensors(pipeline_with().to("cuda:1"))
     assert got.keys() == expected.keys()
@@ -270,7 +246,7 @@ def test_a_model_without_bitsandbytes_layers_moves_as_without_the_shim(shims, ca
             return {k: (str(v.device), v.cpu().clone()) for k, v in model.state_dict().items()}
 
     expected = run()
-    shims(hook.SHIM_ID)
+    shims(hook.SHIM.id)
     with caplog.at_level(logging.DEBUG, logger=LOGGER):
         got = run()
     assert got.keys() == expected.keys()
@@ -300,7 +276,7 @@ def test_load_with_a_one_gpu_device_map(checkpoint, shims, caplog, device_map):
                 load_4bit(checkpoint, device_map=device_map)
         else:
             assert _placement(load_4bit(checkpoint, device_map=device_map)) == (["cuda:1"], [])
-    shims(hook.SHIM_ID)
+    shims(hook.SHIM.id)
     with simulated_gpus(2, memory="1GiB"), torch.no_grad(), caplog.at_level(logging.INFO, logger=LOGGER):
         transformer = load_4bit(checkpoint, device_map=device_map)
         assert _placement(transformer) == (["cuda:1"], [])
@@ -315,7 +291,7 @@ def test_an_unquantized_load_with_a_device_map_is_left_to_diffusers(tmp_path, sh
     tiny_flux_pipeline().transformer.save_pretrained(path)
     with simulated_gpus(2, memory="1GiB"), torch.no_grad():
         expected = _placement(FluxTransformer2DModel.from_pretrained(path, device_map={"": "cuda:1"}))
-    shims(hook.SHIM_ID)
+    shims(hook.SHIM.id)
     with simulated_gpus(2, memory="1GiB"), torch.no_grad(), caplog.at_level(logging.INFO, logger=LOGGER):
         got = _placement(FluxTransformer2DModel.from_pretrained(path, device_map={"": "cuda:1"}))
     assert got == expected == (["cuda:1"], [])
@@ -343,8 +319,8 @@ def test_quantized_flux_generates_the_same_on_the_second_gpu(tmp_path):
     devmap_shims.install()
     try:
         states = {s["id"]: s["state"] for s in devmap_shims.status()["shims"]}
-        assert states[hook.SHIM_ID] == ("active" if LOAD_BUG_HERE else "skipped")
-        assert states[qs_hook.SHIM_ID] == ("active" if CODE_BUG_HERE else "skipped")
+        assert states[hook.SHIM.id] == ("active" if LOAD_BUG_HERE else "skipped")
+        assert states[qs_hook.SHIM.id] == ("active" if CODE_BUG_HERE else "skipped")
         config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
 
         def generate(pipe, device):

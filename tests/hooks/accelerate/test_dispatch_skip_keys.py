@@ -18,8 +18,9 @@ if torch.version.cuda is None:  # pragma: no cover - the simulator needs a CUDA 
 from accelerate import init_empty_weights, load_checkpoint_and_dispatch  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
-from devmap_shims.hooks import dispatch as hook  # noqa: E402
-from devmap_shims.scenarios import dispatch as scenario  # noqa: E402
+from devmap_shims.devices.accelerate_hooks import hooks_of  # noqa: E402
+from devmap_shims.hooks.accelerate import dispatch_skip_keys as hook  # noqa: E402
+from devmap_shims.scenarios.checkpoints import cpu_greedy_tokens  # noqa: E402
 from devmap_shims.testing import simulated_gpus  # noqa: E402
 from devmap_shims.testing.models import greedy_generate, sample_input_ids  # noqa: E402
 
@@ -35,13 +36,13 @@ def _dispatch(*args, **kwargs):
 
 
 def _hooks(model):
-    return {name: h for name, module in model.named_modules() for h in hook._align_hooks(module)}
+    return {name: h for name, module in model.named_modules() for h in hooks_of(module) if hasattr(h, "skip_keys")}
 
 
 def _qwen_on_meta():
-    config = transformers.AutoConfig.from_pretrained(scenario.fp16_checkpoint())
+    config = transformers.AutoConfig.from_pretrained(hook.fp16_checkpoint())
     with init_empty_weights():
-        return transformers.AutoModelForCausalLM.from_config(config, **scenario.dtype_kwargs())
+        return transformers.AutoModelForCausalLM.from_config(config, **hook.dtype_kwargs())
 
 
 def _split_map(model):
@@ -61,13 +62,13 @@ def test_missing_skip_keys_become_the_models_own(shim, how):
     device_map = _split_map(model)
     with simulated_gpus(2, memory=GPU_MEMORY):
         if how == "keyword-absent":
-            model = load_checkpoint_and_dispatch(model, scenario.fp16_checkpoint(), device_map=device_map)
+            model = load_checkpoint_and_dispatch(model, hook.fp16_checkpoint(), device_map=device_map)
         elif how == "keyword-none":
-            model = load_checkpoint_and_dispatch(model, scenario.fp16_checkpoint(), device_map=device_map, skip_keys=None)
+            model = load_checkpoint_and_dispatch(model, hook.fp16_checkpoint(), device_map=device_map, skip_keys=None)
         else:
             from accelerate import load_checkpoint_in_model
 
-            load_checkpoint_in_model(model, scenario.fp16_checkpoint(), device_map=device_map)
+            load_checkpoint_in_model(model, hook.fp16_checkpoint(), device_map=device_map)
             model = _dispatch(model, device_map, None, None, None, None, False, None)
     assert model._hf_hook.skip_keys == model._skip_keys_device_placement
     assert all(h.skip_keys == model._skip_keys_device_placement for h in _hooks(model).values())
@@ -76,7 +77,7 @@ def test_missing_skip_keys_become_the_models_own(shim, how):
 def test_without_the_shim_the_root_hook_has_no_skip_keys(no_shim):
     model = _qwen_on_meta()
     with simulated_gpus(2, memory=GPU_MEMORY):
-        model = load_checkpoint_and_dispatch(model, scenario.fp16_checkpoint(), device_map=_split_map(model))
+        model = load_checkpoint_and_dispatch(model, hook.fp16_checkpoint(), device_map=_split_map(model))
     assert model._hf_hook.skip_keys is None
 
 
@@ -85,7 +86,7 @@ def test_explicit_skip_keys_are_the_callers_choice(shim, explicit):
     model = _qwen_on_meta()
     with simulated_gpus(2, memory=GPU_MEMORY):
         model = load_checkpoint_and_dispatch(
-            model, scenario.fp16_checkpoint(), device_map=_split_map(model), skip_keys=explicit
+            model, hook.fp16_checkpoint(), device_map=_split_map(model), skip_keys=explicit
         )
     assert model._hf_hook.skip_keys == explicit
 
@@ -99,57 +100,22 @@ def test_models_that_declare_nothing_are_dispatched_as_before(shim):
     assert out.device == torch.device("cpu")
 
 
-def test_the_result_and_errors_of_accelerate_pass_through(shim):
-    calls = []
-
-    def original(model, device_map, skip_keys=None):
-        calls.append(skip_keys)
-        return "dispatched"
-
-    assert hook.dispatch_with_skip_keys(original, None, (object(), {}), {}) == "dispatched"
-    assert calls == [None]
-
-    def broken(model, device_map, skip_keys=None):
-        raise ValueError("accelerate's own error")
-
-    with pytest.raises(ValueError, match="accelerate's own error"):
-        hook.dispatch_with_skip_keys(broken, None, (torch.nn.Linear(1, 1), {}), {})
+# -- the report end to end (QwenLM/Qwen3#327) ------------------------------------------------------------
 
 
-# -- Report 4, end to end ------------------------------------------------------------------------------
-
-
-def _report4_tokens():
-    return scenario.report4_load_checkpoint_and_dispatch()
-
-
-def test_report4_generates_the_cpu_tokens_with_the_shim_on_every_stack(shim):
-    summary = _report4_tokens()
-    assert "equal to the CPU reference" in summary
-
-
-def test_report4_without_the_shim_fails_exactly_where_the_matrix_says(no_shim):
-    from devmap_shims.compat_matrix import load_matrix
-    from devmap_shims.versions import installed_versions
-
-    matrix = load_matrix()
-    row = matrix.get("dispatch-without-skip-keys-moves-kv-cache")
-    if row.applies(installed_versions(matrix.distributions())):
-        with pytest.raises(RuntimeError, match=r"cuda:0 and cuda:1! \(when checking argument for argument tensors"):
-            _report4_tokens()
-    else:
-        assert "equal to the CPU reference" in _report4_tokens()
+def test_the_report_generates_the_cpu_tokens_with_the_shim_on_every_stack(shim):
+    assert "equal to the CPU reference" in hook.qwen_split_by_load_checkpoint_and_dispatch()
 
 
 def test_from_pretrained_path_is_unchanged(checkpoint_tokens, shim):
     """from_pretrained already passes skip_keys: the shim must not change its tokens or devices."""
-    path = scenario.fp16_checkpoint()
+    path = hook.fp16_checkpoint()
     with simulated_gpus(2, memory=GPU_MEMORY):
         meta = _qwen_on_meta()
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, device_map=_split_map(meta), **scenario.dtype_kwargs()
+            path, device_map=_split_map(meta), **hook.dtype_kwargs()
         )
-        tokens = greedy_generate(model, sample_input_ids().to("cuda:0"), max_new_tokens=scenario.NEW_TOKENS)
+        tokens = greedy_generate(model, sample_input_ids().to("cuda:0"), max_new_tokens=hook.NEW_TOKENS)
         devices = {str(p.device) for p in model.parameters()}
     assert torch.equal(tokens, checkpoint_tokens)
     assert devices == {"cuda:0", "cuda:1"}
@@ -157,7 +123,7 @@ def test_from_pretrained_path_is_unchanged(checkpoint_tokens, shim):
 
 @pytest.fixture(scope="module")
 def checkpoint_tokens():
-    return scenario.cpu_reference(scenario.fp16_checkpoint())
+    return cpu_greedy_tokens(hook.fp16_checkpoint(), hook.NEW_TOKENS, **hook.dtype_kwargs())
 
 
 # -- accelerate-skip-keys-not-propagated (accelerate#3088) ---------------------------------------------
@@ -166,7 +132,7 @@ def checkpoint_tokens():
 def _run_state_model(**dispatch_kwargs):
     """The scenario's model: a mapped block whose inner layer reads ``state``, kept on cuda:1."""
     with simulated_gpus(2, memory=GPU_MEMORY), torch.no_grad():
-        model = _dispatch(scenario._state_model(), {"block": 0, "head": 1}, **dispatch_kwargs)
+        model = _dispatch(hook.state_model(), {"block": 0, "head": 1}, **dispatch_kwargs)
         model(torch.ones(1, 4, device="cuda:0"), state=torch.zeros(4, device="cuda:1"))
         return model, str(model.block.inner.state_device)
 

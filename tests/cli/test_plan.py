@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
-from devmap_shims.planning import plan_command
+from devmap_shims.cli import main
 
 # google/gemma-7b: Gemma-2-27B's 256k tied vocabulary, on every transformers since 4.38
 GEMMA_7B = dict(
@@ -17,14 +16,8 @@ GEMMA_7B = dict(
 )
 
 
-def parse(*argv):
-    parser = argparse.ArgumentParser()
-    plan_command.add_arguments(parser)
-    return parser.parse_args(list(argv))
-
-
 def run(capsys, *argv):
-    code = plan_command.run(parse(*argv))
+    code = main(["plan", *argv])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -170,8 +163,6 @@ def test_user_caps_are_respected(capsys, gemma_dir, stack_ready):
 
 
 def test_registered_in_the_cli(capsys, gemma_dir, stack_ready):
-    from devmap_shims import cli
-
-    code = cli.main(["plan", str(gemma_dir), "--gpus", "8x", "--json"])
+    code = main(["plan", str(gemma_dir), "--gpus", "8x", "--json"])
     _, err = capsys.readouterr()
     assert code == 2 and len(err.strip().splitlines()) == 1

@@ -42,7 +42,7 @@ def _median_time(fn, repeat: int) -> float:
 def timing_rows(repeat: int = 15) -> List[Dict[str, Any]]:
     from device_map_corpus import Case, config_for
 
-    from devmap_shims.planning import stack
+    from devmap_shims.cli import device_map_step as stack
 
     rows = []
     for label, model, n, gib, quant, strategy in TIMING_CASES:
@@ -72,7 +72,7 @@ def ratio_rows() -> List[Dict[str, Any]]:
     from device_map_checks import budgets_for, check_map, library_sizes
     from device_map_corpus import CASES, ArchitectureMissing, config_for
 
-    from devmap_shims.planning import stack
+    from devmap_shims.cli import device_map_step as stack
 
     metas: Dict[Any, Any] = {}
     rows = []

@@ -64,12 +64,12 @@ def hook_path(calls: int, batches: int) -> Dict[str, Any]:
     from transformers.generation.utils import GenerationMixin
 
     import devmap_shims
-    from devmap_shims.hooks import generate as hook
+    from devmap_shims.hooks.transformers import generate_input_device as hook
     from devmap_shims.testing.models import sample_input_ids
 
     model = _model()
     devmap_shims.uninstall()
-    devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+    devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id])
     try:
         layer = vars(GenerationMixin)["generate"]
         guarded = layer._self_wrapper  # the engine's call-time guard around align_generate_inputs
@@ -98,7 +98,7 @@ def whole_generate(calls: int, batches: int) -> Dict[str, Any]:
     import torch
 
     import devmap_shims
-    from devmap_shims.hooks import generate as hook
+    from devmap_shims.hooks.transformers import generate_input_device as hook
     from devmap_shims.testing.models import sample_input_ids
 
     model = _model()
@@ -110,7 +110,7 @@ def whole_generate(calls: int, batches: int) -> Dict[str, Any]:
             return model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
 
     def on() -> None:
-        devmap_shims.install(only=[hook.SHIM_ID], force=[hook.SHIM_ID])
+        devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id])
 
     def off() -> None:
         devmap_shims.uninstall()

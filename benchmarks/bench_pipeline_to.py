@@ -158,7 +158,7 @@ def measure(width: int, rounds: int) -> Dict[str, Any]:
 
     import devmap_shims
     from devmap_shims.checks import check_devices
-    from devmap_shims.hooks.pipeline_to import sweep_pipeline
+    from devmap_shims.hooks.diffusers.pipeline_to_sweep import sweep_pipeline
     from devmap_shims.testing import simulated_gpus
 
     times: Dict[str, List[float]] = {name: [] for name in SHIMS}

@@ -8,6 +8,8 @@ is armed when its module is imported *and* the compat matrix says its bug applie
 versions. Nothing here imports torch, transformers, accelerate, bitsandbytes or diffusers.
 
 With no code change: ``DEVMAP_SHIMS=1 python serve.py`` or ``devmap-shims run -- python serve.py``.
+
+PYTEST_DONT_REWRITE (with DEVMAP_SHIMS=1 this package is imported before pytest starts)
 """
 
 from __future__ import annotations

@@ -5,22 +5,36 @@
 calls :func:`run_from_startup` when the variable is set to something other than ``0`` or the
 empty string. With the variable unset the whole cost is one environment lookup; the ``.pth``
 line is kept as short as it can be because ``site`` compiles it at every interpreter start,
-twice in a virtualenv. Nothing here may raise: a failing ``.pth`` line would print a traceback
-in every Python process on the machine.
+twice in a virtualenv.
+
+Nothing here may escape: an exception from a ``.pth`` line prints a traceback in every Python
+process on the machine, and ``SystemExit`` or ``KeyboardInterrupt`` would stop the interpreter.
+Strict mode (``DEVMAP_SHIMS_STRICT=1``) cannot stop a process from a ``.pth`` line either: at
+start-up it means that a problem with the install (an unknown shim id in ``DEVMAP_SHIMS_DISABLE``,
+say) is one line on stderr and the process runs without any shim, instead of a warning and the
+shims that remain. Either way the line is printed once per process, however often ``site`` calls.
+
+PYTEST_DONT_REWRITE (this module runs before pytest, which must not ask to rewrite it)
 """
 
 from __future__ import annotations
 
 import os
 
+_ran = False
+
 
 def run_from_startup() -> None:
+    global _ran
+    if _ran:  # site processes site-packages twice in a virtualenv, and 3.15 has the .start file too
+        return
+    _ran = True
     value = os.environ.get("DEVMAP_SHIMS", "").strip()
     if value in ("", "0"):
         return
-    from devmap_shims.shims.config import flag
-
     try:
+        from devmap_shims.shims.config import flag
+
         enabled = flag(value)
         if enabled is False:
             return
@@ -30,27 +44,43 @@ def run_from_startup() -> None:
         from devmap_shims import install
 
         install(_auto=True)
-    except Exception as exc:  # pragma: no cover - last resort, keep the interpreter alive
-        if flag(os.environ.get("DEVMAP_SHIMS_STRICT")):
-            raise
-        import sys
+    except BaseException as exc:  # SystemExit from a plugin, KeyboardInterrupt, strict mode: the same
+        strict = " (strict mode)" if _strict() else ""
+        _say(
+            f"devmap_shims: the shims could not be installed at start-up{strict}: {type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:500]}; this process runs without shims"
+        )
+        try:
+            from devmap_shims import uninstall
 
-        print(f"devmap_shims: auto-enable failed ({type(exc).__name__}: {exc}); running without shims", file=sys.stderr)
+            uninstall()
+        except BaseException:
+            pass
 
 
-_warned = False
+def _strict() -> bool:
+    try:
+        from devmap_shims.shims.config import flag
+
+        return bool(flag(os.environ.get("DEVMAP_SHIMS_STRICT")))
+    except BaseException:
+        return False
+
+
+def _say(line: str) -> None:
+    import sys
+
+    try:
+        print(line, file=sys.stderr)
+    except BaseException:
+        pass
 
 
 def _warn_bad(value: str) -> None:
-    # Once per process, whoever calls first (the .pth import, a .start entry, a test).
-    global _warned
-    if _warned:
-        return
-    _warned = True
     import logging
 
     logging.getLogger("devmap_shims").warning(
-        "devmap_shims: DEVMAP_SHIMS=%r is not understood; use 1 to install the shims at start-up or 0 "
+        "DEVMAP_SHIMS=%r is not understood; use 1 to install the shims at start-up or 0 "
         "to turn them off. Running without shims.",
-        value,
+        value[:100],
     )

@@ -6,7 +6,10 @@ empty string are left to :func:`run`, which costs this small import, not the pac
 Python 3.15+ (PEP 829) ignores that line because ``devmap_shims.start`` exists, and imports this
 module and calls :func:`run` at every start instead. Living outside the package, it costs one
 small import there, not an import of ``devmap_shims``; with the variable unset, empty or ``0``,
-:func:`run` returns after one environment lookup. A second call is a no-op.
+:func:`run` returns after one environment lookup. A second call is a no-op. Nothing raised
+here, ``SystemExit`` included, may reach ``site``.
+
+PYTEST_DONT_REWRITE (imported before pytest starts, which must not ask to rewrite it)
 """
 
 import os
@@ -18,13 +21,16 @@ def run():
         return
     try:
         from devmap_shims._bootstrap import run_from_startup
-    except ImportError as exc:  # a half-removed install must not break every interpreter start
+    except BaseException as exc:  # a half-removed install must not break every interpreter start
         import sys
 
-        print(f"devmap_shims: DEVMAP_SHIMS={value!r} but devmap_shims cannot be imported ({exc}); "
+        print(f"devmap_shims: DEVMAP_SHIMS={value[:100]!r} but devmap_shims cannot be imported ({exc}); "
               "running without shims", file=sys.stderr)
         return
-    run_from_startup()
+    try:
+        run_from_startup()
+    except BaseException:  # run_from_startup catches everything; this only guards the guard
+        pass
 
 
 run()

@@ -32,8 +32,8 @@ def _plugins_wanted() -> bool:
 
 def known(with_plugins: bool = True) -> Tuple[Any, List[Any]]:
     """The matrix and every shim (built-in, and from plugins unless turned off), warning on stderr
-    about plugins that fail to load."""
-    from devmap_shims.compat_matrix import load_matrix
+    about plugins that fail to load and plugin rows left out."""
+    from devmap_shims.compat_matrix import load_matrix_skipping_bad_rows
     from devmap_shims.shims import catalog, plugins
 
     shims, problems = catalog.builtin_shims()
@@ -43,9 +43,10 @@ def known(with_plugins: bool = True) -> Tuple[Any, List[Any]]:
         more, shim_problems = plugins.plugin_shims([s.id for s in shims], [r["id"] for r in rows])
         shims += more
         problems += row_problems + shim_problems
-    for problem in problems:
+    matrix, row_problems = load_matrix_skipping_bad_rows(rows)
+    for problem in problems + row_problems:
         print(f"devmap-shims: warning: {problem}", file=sys.stderr)
-    return load_matrix(extra_rows=rows), shims
+    return matrix, shims
 
 
 def builtin_markdown() -> str:

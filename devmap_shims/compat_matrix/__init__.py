@@ -45,6 +45,7 @@ __all__ = [
     "Matrix",
     "MatrixError",
     "load_matrix",
+    "load_matrix_skipping_bad_rows",
     "read_toml",
     "render_markdown",
     "row_to_dict",
@@ -284,6 +285,36 @@ def load_matrix(path: str | Path | None = None, *, extra_rows: Iterable[Mapping[
     rows = list(base) + plugin_rows
     _check_unique(rows, labels)
     return Matrix(rows)
+
+
+def load_matrix_skipping_bad_rows(extra_rows: Iterable[Mapping[str, Any]]) -> tuple[Matrix, list[str]]:
+    """The built-in matrix plus every row of ``extra_rows`` that is valid; a problem message for
+    each row left out (malformed, or reusing an id), naming its plugin, row and field. One bad
+    plugin row must not take the others, or the built-in rows, down with it."""
+    base = _builtin_rows()
+    rows = list(base)
+    seen = {row.id: f"{_BUILTIN_LABEL} bug row {index}" for index, row in enumerate(base, 1)}
+    problems: list[str] = []
+    counts: dict[str, int] = {}
+    for item in extra_rows:
+        data = dict(item)
+        source = str(data.pop("source", None) or "extra_rows")
+        counts[source] = counts.get(source, 0) + 1
+        label = f"matrix rows from {source}"
+        try:
+            row = parse_row(data, source=label, index=counts[source], row_type=BugRow, origin=source)
+        except MatrixError as exc:
+            problems.append(f"{exc}; the row is ignored")
+            continue
+        if row.id in seen:
+            problems.append(
+                f"{label}: bug row {counts[source]} (id {row.id!r}), field 'id': duplicate id, first defined in "
+                f"{seen[row.id]}; the row is ignored"
+            )
+            continue
+        seen[row.id] = f"{label} bug row {counts[source]}"
+        rows.append(row)
+    return Matrix(rows), problems
 
 
 # -- output -------------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
         entry.rebound = wrapping.rebind_aliases(raw, layer)
     entry.state = ACTIVE
     entry.reason = "forced outside its range" if not applies else why
-    logger().info("devmap_shims: %s active on %s (fixes %s)", shim.id, target.key, ", ".join(shim.fixes))
+    logger().info("%s active on %s (fixes %s)", shim.id, target.key, ", ".join(shim.fixes))
 
 
 def wrapper_of(shim: Any, target: Any) -> Any:
@@ -169,12 +169,14 @@ def unwatch_and_unwrap(registry: Registry) -> None:
             target_entry.owner, target_entry.name, target_entry.layer, target_entry.original
         )
         wrapping.restore_aliases(target_entry.rebound, target_entry.original, target_entry.layer)
-        if outcome == "buried":
-            target_entry.enabled = False  # stays in the call chain, does nothing
+        if outcome in ("buried", "absent"):
+            # A foreign wrapper captured our layer (in a closure, or an object we cannot see
+            # into), or the attribute was replaced: the layer may still be called, so it stays
+            # in the call chain doing nothing, and a new install wraps whatever is there now.
+            target_entry.enabled = False
             registry.warn(
-                f"{target_entry.target.key}: a foreign wrapper holds devmap_shims' layer inside a "
-                "closure; it was switched off instead of removed"
+                f"{target_entry.target.key}: devmap_shims' layer is no longer the attribute (a foreign "
+                "wrapper holds it, or the attribute was replaced); it was switched off instead of removed"
             )
-        else:
-            wrapping.forget(target_entry.layer)
+        wrapping.forget(target_entry.layer)
 

@@ -8,6 +8,9 @@
 ``DEVMAP_SHIMS_STRICT``    ``1``: a shim that fails raises instead of logging and falling back.
 ``DEVMAP_SHIMS_LOG``       ``debug``, ``info`` or ``warning``: level of the ``devmap_shims`` logger.
 ``DEVMAP_SHIMS_NO_PLUGINS`` ``1``: ignore shims and matrix rows from other distributions.
+``DEVMAP_SHIMS_PLUGINS``   comma-separated distributions whose plugins load at interpreter start-up
+                           (``DEVMAP_SHIMS=1``), or ``*``; unset, none does (``install()`` called
+                           from code loads every plugin).
 =========================  ==========================================================================
 
 A bad value never stops the program (a ``.pth`` file that raised would break every Python process
@@ -32,13 +35,16 @@ ENV_FORCE = "DEVMAP_SHIMS_FORCE"
 ENV_STRICT = "DEVMAP_SHIMS_STRICT"
 ENV_LOG = "DEVMAP_SHIMS_LOG"
 ENV_NO_PLUGINS = "DEVMAP_SHIMS_NO_PLUGINS"
-ALL_VARIABLES = (ENV_ENABLE, ENV_DISABLE, ENV_FORCE, ENV_STRICT, ENV_LOG, ENV_NO_PLUGINS)
+ENV_PLUGINS = "DEVMAP_SHIMS_PLUGINS"
+ALL_VARIABLES = (ENV_ENABLE, ENV_DISABLE, ENV_FORCE, ENV_STRICT, ENV_LOG, ENV_NO_PLUGINS, ENV_PLUGINS)
 
 
 class Settings:
     """What the environment asks for. ``problems`` lists one message per bad value."""
 
-    __slots__ = ("enable", "disable", "disable_all", "force", "strict", "log_level", "no_plugins", "problems")
+    __slots__ = (
+        "enable", "disable", "disable_all", "force", "strict", "log_level", "no_plugins", "plugins", "problems",
+    )
 
     def __init__(self) -> None:
         self.enable: Optional[bool] = None  # None: variable unset
@@ -48,6 +54,7 @@ class Settings:
         self.strict = False
         self.log_level: Optional[str] = None
         self.no_plugins = False
+        self.plugins: Tuple[str, ...] = ()  # named for start-up
         self.problems: List[str] = []
 
     @property
@@ -62,6 +69,7 @@ class Settings:
             "strict": self.strict,
             "log_level": self.log_level,
             "no_plugins": self.no_plugins,
+            "plugins": list(self.plugins),
         }
 
 
@@ -86,9 +94,14 @@ def _flag(env: Mapping[str, str], name: str, settings: Settings) -> Optional[boo
     if value is not None:
         return value
     settings.problems.append(
-        f"{name}={raw!r} is not understood; use 1 or 0 (also true/false, yes/no, on/off). Ignoring it."
+        f"{name}={_shown(raw)} is not understood; use 1 or 0 (also true/false, yes/no, on/off). Ignoring it."
     )
     return None
+
+
+def _shown(value: str, width: int = 60) -> str:
+    """``repr(value)``, cut at ``width`` characters: a 10 kB variable is not echoed in full."""
+    return repr(value) if len(value) <= width else f"{value[:width]!r}... ({len(value)} characters)"
 
 
 def _ids(env: Mapping[str, str], name: str) -> Tuple[str, ...]:
@@ -107,13 +120,14 @@ def read_settings(env: Optional[Mapping[str, str]] = None) -> Settings:
     settings.force = _ids(env, ENV_FORCE)
     settings.strict = bool(_flag(env, ENV_STRICT, settings))
     settings.no_plugins = bool(_flag(env, ENV_NO_PLUGINS, settings))
+    settings.plugins = _ids(env, ENV_PLUGINS)
     level = env.get(ENV_LOG, "").strip().lower()
     if level:
         if level in LOG_LEVELS:
             settings.log_level = level
         else:
             settings.problems.append(
-                f"{ENV_LOG}={env.get(ENV_LOG)!r} is not a log level; use one of {', '.join(LOG_LEVELS)}. "
+                f"{ENV_LOG}={_shown(env.get(ENV_LOG, ''))} is not a log level; use one of {', '.join(LOG_LEVELS)}. "
                 "Ignoring it."
             )
     return settings
@@ -126,6 +140,6 @@ def unknown_id_problems(settings: Settings, known: List[str]) -> List[str]:
         for shim_id in ids:
             if shim_id not in known:
                 problems.append(
-                    f"{name} names unknown shim {shim_id!r}; known shims: {', '.join(sorted(known))}. Ignoring it."
+                    f"{name} names unknown shim {_shown(shim_id)}; known shims: {', '.join(sorted(known))}. Ignoring it."
                 )
     return problems

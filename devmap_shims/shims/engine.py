@@ -72,7 +72,7 @@ class Engine:
                 registry.warn(problem)
             if settings.killed:
                 self.killed = True
-                logger().info("devmap_shims: DEVMAP_SHIMS=0, shims not installed")
+                logger().info("DEVMAP_SHIMS=0, shims not installed")
                 return False
             requested = {
                 "only": _as_tuple(only),
@@ -90,18 +90,20 @@ class Engine:
                 return True
             use_plugins = (not settings.no_plugins) if plugins is None else bool(plugins)
             builtin_ids = list(catalog.builtin_ids())
-            others, rows, problems = self._gather(use_plugins, builtin_ids)
+            # At interpreter start-up only the plugins the operator names load.
+            names = (settings.plugins or None) if auto else None
+            others, rows, problems = self._gather(use_plugins and (names is not None or not auto), builtin_ids, names)
             known = builtin_ids + [s.id for s in others]
-            problems += config.unknown_id_problems(settings, known)
+            id_problems = config.unknown_id_problems(settings, known)
             self._selection = {
                 "only": None if requested["only"] is None else set(requested["only"]),
                 "exclude": set(requested["exclude"]) | set(settings.disable),
                 "force": set(requested["force"]) | set(settings.force),
                 "disable_all": settings.disable_all,
             }
-            id_problems = _id_problems(known, requested)  # the environment's ids were checked above
-            if id_problems and strict_mode:
-                raise ValueError("; ".join(id_problems))
+            id_problems += _id_problems(known, requested)
+            if id_problems and strict_mode:  # strict: a shim id that names nothing is an error
+                raise ValueError("; ".join(p.replace(" Ignoring it.", "") for p in id_problems))
             for problem in problems + id_problems:
                 registry.warn(problem)
             registry.strict = strict_mode
@@ -158,17 +160,20 @@ class Engine:
         modules = sorted({t.target.module for t in self.registry.target_entries()})
         return [m for m in modules if m in sys.modules]
 
-    def _gather(self, use_plugins: bool, builtin_ids: List[str]) -> Tuple[List[Shim], List[Dict[str, Any]], List[str]]:
-        """The shims that are not built in (plugins', registered ones) and every extra matrix row."""
+    def _gather(
+        self, use_plugins: bool, builtin_ids: List[str], names: Optional[Tuple[str, ...]] = None
+    ) -> Tuple[List[Shim], List[Dict[str, Any]], List[str]]:
+        """The shims that are not built in (plugins' from the distributions in ``names``, None: all;
+        registered ones) and every extra matrix row."""
         shims: List[Shim] = []
         rows: List[Dict[str, Any]] = []
         problems: List[str] = []
         if use_plugins:
             from devmap_shims.shims import plugins
 
-            rows, row_problems = plugins.plugin_rows()
-            shims, shim_problems = plugins.plugin_shims(builtin_ids, [r["id"] for r in rows])
-            problems += row_problems + shim_problems
+            rows, row_problems = plugins.plugin_rows(names)
+            shims, shim_problems = plugins.plugin_shims(builtin_ids, [r["id"] for r in rows], names)
+            problems += row_problems + shim_problems + plugins.missing(names)
         rows = rows + [dict(r) for r in self.registered_rows]
         known = set(builtin_ids) | {s.id for s in shims}
         shims.extend(s for s in self.registered if s.id not in known)
@@ -260,18 +265,47 @@ def _close(name: str, known: List[str]) -> Optional[str]:
 
 
 def configure_logging(level: Optional[str]) -> None:
-    """Give the ``devmap_shims`` logger ``level`` and a stderr handler (``DEVMAP_SHIMS_LOG``)."""
+    """Give the ``devmap_shims`` logger ``level`` (``DEVMAP_SHIMS_LOG``), and a stderr handler
+    unless the program configured logging itself: then its handlers print our records, once."""
     if not level:
         return
     import logging
 
     log = logging.getLogger("devmap_shims")
     log.setLevel(level.upper())
+    if logging.getLogger().handlers:
+        return
     if not any(getattr(h, "_devmap_shims", False) for h in log.handlers):
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         handler._devmap_shims = True  # type: ignore[attr-defined]
         log.addHandler(handler)
+        log.propagate = False  # root has no handler now; one configured later would print twice
 
 
 ENGINE = Engine()
+
+
+def _after_fork_in_child() -> None:
+    """A fork while another thread held one of our locks (an import arming a target, a repair
+    keeping state) would leave it held forever in the child: give the child new ones."""
+    import threading
+
+    from devmap_shims.shims import importhook
+
+    registry = ENGINE.registry
+    registry.lock = threading.RLock()
+    importhook.reinit_after_fork()
+    for entry in registry.shims.values():
+        if entry.shim.state is not None:
+            entry.context.state = entry.shim.state()
+
+
+def _register_at_fork() -> None:
+    import os
+
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_register_at_fork()

@@ -40,7 +40,7 @@ def _log_hook_error(module_name: str, hook: Hook, exc: BaseException) -> None:
     import logging
 
     logging.getLogger("devmap_shims").warning(
-        "devmap_shims: post-import hook %r for %s failed (%s: %s); the import itself went on unchanged",
+        "post-import hook %r for %s failed (%s: %s); the import itself went on unchanged",
         getattr(hook, "__qualname__", hook), module_name, type(exc).__name__, exc,
     )
 
@@ -174,6 +174,30 @@ def when_imported(module_name: str, hook: Hook, on_error: Optional[ErrorHandler]
     with _lock:
         _hooks.setdefault(module_name, []).append((hook, handler))
         _install_finder()
+    if module is not None:  # being imported right now, its loader found before the hook existed
+        _after_import_in_progress(module_name)
+
+
+def _after_import_in_progress(module_name: str) -> None:
+    """Run ``module_name``'s hooks once the import now running (in this thread or another) is
+    done: a thread waits for it the way ``import`` itself does, on the module's import lock."""
+
+    def wait_then_run() -> None:
+        import importlib
+
+        try:
+            module = importlib.import_module(module_name)
+        except BaseException:  # the import failed: there is nothing to hook
+            return
+        _run_hooks(module)
+
+    threading.Thread(target=wait_then_run, name=f"devmap-shims waits for {module_name}", daemon=True).start()
+
+
+def reinit_after_fork() -> None:
+    """A fork while another thread held the lock leaves it held forever in the child."""
+    global _lock
+    _lock = threading.RLock()
 
 
 def cancel(hook: Hook) -> None:

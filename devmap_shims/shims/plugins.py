@@ -8,19 +8,35 @@ Plugins register under two entry-point groups:
                          path to a TOML file with ``[[bug]]`` tables, or a callable returning either.
 
 Plugin shim ids and row ids are prefixed with the distribution name (``acme-shims:my-fix``) so they
-never collide with built-in ones. A plugin that fails to load is skipped with a warning.
+never collide with built-in ones.
+
+A plugin is somebody else's code running inside every process that enables the shims, so loading
+one is contained: each entry point is loaded (and its callable called) in a thread of its own,
+given :data:`LOAD_BUDGET` seconds, with what it prints kept out of the host's streams; a plugin
+that raises anything (``SystemExit`` and ``KeyboardInterrupt`` included), runs over its budget or
+prints is skipped or reported with a warning naming it, and the host goes on. At interpreter
+start-up (``DEVMAP_SHIMS=1``) plugins load only when the operator names their distributions in
+``DEVMAP_SHIMS_PLUGINS`` (or ``*``). A named distribution that is not on ``sys.path`` then (its
+path added by a ``.pth`` file that sorts after ``devmap_shims.pth``, or by the user site) is said
+in a warning; ``devmap_shims.install()`` called from the program, after start-up, sees every path.
 """
 
 from __future__ import annotations
 
 TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
-    from typing import Any, Dict, List, Tuple
+    from typing import Any, Callable, Collection, Dict, List, Optional, Tuple
 
 from devmap_shims.shims.record import Shim
 
 SHIM_GROUP = "devmap_shims.shims"
 MATRIX_GROUP = "devmap_shims.matrix"
+
+#: Seconds a plugin's entry point may take to load (and its callable to run) before start-up goes
+#: on without it.
+LOAD_BUDGET = 5.0
+#: Bytes of a plugin's printed output quoted in the warning (the rest is counted, not kept).
+QUOTED_OUTPUT = 200
 
 
 def _group_declared(group: str) -> bool:
@@ -44,55 +60,144 @@ def _group_declared(group: str) -> bool:
                 continue
             try:
                 with open(os.path.join(entry or ".", name, "entry_points.txt"), encoding="utf-8") as handle:
-                    if needle in handle.read():
+                    if needle in handle.read(65536):
                         return True
-            except OSError:
+            except (OSError, UnicodeDecodeError):
                 continue
     return False
 
 
-def _entry_points(group: str) -> List[Any]:
+def entry_points(group: str) -> List[Tuple[str, Any]]:
+    """``(distribution name, entry point)`` for every entry point in ``group``.
+
+    Read through the distributions rather than ``EntryPoint.dist``, which Python 3.9 lacks: there
+    the prefix would be the module's name, and ``DEVMAP_SHIMS_DISABLE=dist:id`` could not match.
+    """
     if not _group_declared(group):
         return []
     from importlib import metadata
 
-    try:
-        return list(metadata.entry_points(group=group))
-    except TypeError:  # Python 3.9
-        return list(metadata.entry_points().get(group, ()))
-
-
-def _dist_name(entry_point: Any) -> str:
-    dist = getattr(entry_point, "dist", None)
-    name = getattr(dist, "name", None) or getattr(entry_point, "module", "plugin").split(".")[0]
-    return str(name)
+    found = []
+    seen = set()
+    for dist in metadata.distributions():
+        try:
+            name = dist.metadata["Name"]
+            eps = [ep for ep in dist.entry_points if ep.group == group]
+        except Exception:  # a broken dist-info must not stop the others
+            continue
+        for ep in eps:
+            if (name, ep.name) not in seen:  # a distribution seen twice on sys.path
+                seen.add((name, ep.name))
+                found.append((str(name), ep))
+    return found
 
 
 def _prefixed(dist: str, ident: str) -> str:
     return ident if ident.startswith(f"{dist}:") else f"{dist}:{ident}"
 
 
-def plugin_rows() -> Tuple[List[Dict[str, Any]], List[str]]:
-    """Matrix rows from ``devmap_shims.matrix`` entry points (ids prefixed)."""
+class _Captured:
+    """A stand-in for sys.stdout/stderr: counts what is written, keeps the beginning."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.start = ""
+
+    def write(self, text: str) -> int:
+        if len(self.start) < QUOTED_OUTPUT:
+            self.start += str(text)[: QUOTED_OUTPUT - len(self.start)]
+        self.size += len(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def contained(call: Callable[[], Any], budget: float = LOAD_BUDGET) -> Tuple[Any, Optional[str], Optional[str]]:
+    """``call()`` run in a thread of its own within ``budget`` seconds, its prints captured:
+    ``(value, error, output)``: ``error`` says what went wrong (an exception of any kind, or the
+    budget), ``output`` quotes what it printed (None when nothing)."""
+    import sys
+    import threading
+
+    outcome: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt: the plugin's, never the host's
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+
+    captured = _Captured()
+    streams = sys.stdout, sys.stderr
+    sys.stdout = sys.stderr = captured
+    try:
+        worker = threading.Thread(target=run, name="devmap-shims plugin loader", daemon=True)
+        worker.start()
+        worker.join(budget)
+    finally:
+        sys.stdout, sys.stderr = streams
+    if worker.is_alive():
+        outcome["error"] = f"still running after {budget:g} s; start-up went on without it"
+    output = None
+    if captured.size:
+        quoted = " ".join(captured.start.split())
+        output = f"printed {captured.size} characters, not shown to the host ({quoted!r}...)"
+    return outcome.get("value"), outcome.get("error"), output
+
+
+def missing(names: Optional[Collection[str]]) -> List[str]:
+    """A problem message for each distribution in ``names`` that declares no plugin here."""
+    if not names or "*" in names:
+        return []
+    found = {dist for group in (SHIM_GROUP, MATRIX_GROUP) for dist, _ in entry_points(group)}
+    return [
+        f"DEVMAP_SHIMS_PLUGINS names {name!r:.60}, but no distribution of that name declares devmap_shims "
+        "plugins on sys.path at start-up (a path added later, by a .pth file sorted after devmap_shims.pth "
+        "or the user site, is not seen then); call devmap_shims.install() from the program instead"
+        for name in names if name not in found
+    ]
+
+
+def _wanted(dist: str, names: Optional[Collection[str]]) -> bool:
+    return names is None or "*" in names or dist in names
+
+
+def _load(ep: Any, want: Callable[[Any], bool]) -> Callable[[], Any]:
+    def load() -> Any:
+        obj = ep.load()
+        return obj() if callable(obj) and want(obj) else obj
+
+    return load
+
+
+def plugin_rows(names: Optional[Collection[str]] = None) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """Matrix rows from ``devmap_shims.matrix`` entry points (ids prefixed), from the distributions
+    in ``names`` (None: all)."""
     rows: List[Dict[str, Any]] = []
     problems: List[str] = []
-    for ep in _entry_points(MATRIX_GROUP):
-        dist = _dist_name(ep)
-        try:
-            obj = ep.load()
-            if callable(obj):
-                obj = obj()
-            if isinstance(obj, str):
-                obj = _read_toml_rows(obj)
-            for row in obj:
-                row = dict(row)
-                row["id"] = _prefixed(dist, str(row.get("id", "")))
-                row.setdefault("source", f"plugin {dist} ({ep.value})")
-                rows.append(row)
-        except Exception as exc:
+    for dist, ep in entry_points(MATRIX_GROUP):
+        if not _wanted(dist, names):
+            continue
+        obj, error, output = contained(_load(ep, lambda obj: True))
+        if output:
+            problems.append(f"plugin {dist}: matrix entry point {ep.name!r} {output}")
+        if error is None:
+            try:
+                for row in _read_toml_rows(obj) if isinstance(obj, str) else obj:
+                    row = dict(row)
+                    row["id"] = _prefixed(dist, str(row.get("id", "")))
+                    row.setdefault("source", f"plugin {dist} ({ep.value})")
+                    rows.append(row)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        if error is not None:
             problems.append(
-                f"plugin {dist}: matrix entry point {ep.name!r} ({ep.value}) failed to load "
-                f"({type(exc).__name__}: {exc}); its rows are ignored"
+                f"plugin {dist}: matrix entry point {ep.name!r} ({ep.value}) failed to load ({error}); "
+                "its rows are ignored"
             )
     return rows, problems
 
@@ -101,30 +206,36 @@ def _read_toml_rows(path: str) -> List[Dict[str, Any]]:
     from devmap_shims.compat_matrix import read_toml
 
     with open(path, "rb") as handle:
-        return list(read_toml(handle.read(), path).get("bug", []))
+        return list(read_toml(handle.read(1 << 20), path).get("bug", []))
 
 
-def plugin_shims(builtin_ids: List[str], plugin_row_ids: List[str]) -> Tuple[List[Shim], List[str]]:
-    """Shims from ``devmap_shims.shims`` entry points, ids (and their own row ids) prefixed."""
+def plugin_shims(
+    builtin_ids: List[str], plugin_row_ids: List[str], names: Optional[Collection[str]] = None
+) -> Tuple[List[Shim], List[str]]:
+    """Shims from ``devmap_shims.shims`` entry points, ids (and their own row ids) prefixed, from the
+    distributions in ``names`` (None: all)."""
     shims: List[Shim] = []
     problems: List[str] = []
     seen = set(builtin_ids)
-    for ep in _entry_points(SHIM_GROUP):
-        dist = _dist_name(ep)
-        try:
-            obj = ep.load()
-            if callable(obj) and not isinstance(obj, Shim):
-                obj = obj()
-            declared = [obj] if isinstance(obj, Shim) else list(obj)
-        except Exception as exc:
+    for dist, ep in entry_points(SHIM_GROUP):
+        if not _wanted(dist, names):
+            continue
+        obj, error, output = contained(_load(ep, lambda obj: not isinstance(obj, Shim)))
+        if output:
+            problems.append(f"plugin {dist}: shim entry point {ep.name!r} {output}")
+        if error is None:
+            try:
+                declared = [obj] if isinstance(obj, Shim) else list(obj)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        if error is not None:
             problems.append(
-                f"plugin {dist}: shim entry point {ep.name!r} ({ep.value}) failed to load "
-                f"({type(exc).__name__}: {exc}); it is skipped"
+                f"plugin {dist}: shim entry point {ep.name!r} ({ep.value}) failed to load ({error}); it is skipped"
             )
             continue
         for shim in declared:
             if not isinstance(shim, Shim):
-                problems.append(f"plugin {dist}: entry point {ep.name!r} gave {shim!r}, not a devmap_shims Shim; skipped")
+                problems.append(f"plugin {dist}: entry point {ep.name!r} gave {shim!r:.100}, not a devmap_shims Shim; skipped")
                 continue
             new_id = _prefixed(dist, shim.id)
             if shim.id in builtin_ids:

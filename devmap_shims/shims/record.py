@@ -128,7 +128,7 @@ class Shim(_Record):
         reached through :class:`ShimContext.state`. The engine makes a fresh one at every
         ``install()`` and drops it at ``uninstall()``.
     more_targets:
-        A function (or lazy ``"module:function"`` reference) returning more :class:`Target`\ s,
+        A function (or lazy ``"module:function"`` reference) returning more targets (:class:`Target`),
         called once, when the shim's first target is armed: for targets that depend on the
         installed library's files (the model classes that override ``generate``), found only where
         the bug applies and only once the library is being imported.

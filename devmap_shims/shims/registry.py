@@ -27,6 +27,9 @@ LOGGER_NAME = "devmap_shims"
 
 PENDING, ACTIVE, SKIPPED, FAILED = "pending", "active", "skipped", "failed"
 
+#: Different warnings a registry keeps (``status()["warnings"]``); later ones are only counted.
+MAX_WARNINGS = 100
+
 
 def logger() -> Any:
     import logging
@@ -66,7 +69,7 @@ class ShimContext:
 
     def warn(self, message: str) -> None:
         if self._registry is None:
-            logger().warning("devmap_shims: %s", message)
+            logger().warning("%s", message)
         else:
             self._registry.warn(message)
 
@@ -136,6 +139,8 @@ class Registry:
         self.shims: Dict[str, ShimEntry] = {}
         self.extra_rows: List[Dict[str, Any]] = []
         self.warnings: List[str] = []
+        self.warnings_dropped = 0
+        self._warned: set = set()
         self.armed_count = 0
         self._matrix: Any = None
         self._versions: Optional[Dict[str, Optional[str]]] = None
@@ -158,21 +163,11 @@ class Registry:
     # -- knowledge -----------------------------------------------------------------------------
     def matrix(self) -> Any:
         if self._matrix is None:
-            from devmap_shims.compat_matrix import MatrixError, load_matrix
+            from devmap_shims.compat_matrix import load_matrix_skipping_bad_rows
 
-            try:
-                self._matrix = load_matrix(extra_rows=self.extra_rows)
-            except MatrixError:
-                # One malformed plugin row must not take the built-in rows down with it.
-                good: List[Dict[str, Any]] = []
-                for row in self.extra_rows:
-                    try:
-                        load_matrix(extra_rows=good + [row])
-                    except MatrixError as exc:
-                        self.warn(f"{exc}; the row is ignored")
-                    else:
-                        good.append(row)
-                self._matrix = load_matrix(extra_rows=good)
+            self._matrix, problems = load_matrix_skipping_bad_rows(self.extra_rows)
+            for problem in problems:
+                self.warn(problem)
         return self._matrix
 
     def versions(self) -> Dict[str, Optional[str]]:
@@ -212,11 +207,18 @@ class Registry:
         return None if applies or entry.forced else f"bug not present here: {why}"
 
     def warn(self, message: str) -> None:
-        """Report ``message`` (once: a message already reported is not repeated)."""
-        if message in self.warnings:
+        """Report ``message`` once: a message already reported is not repeated, and past
+        :data:`MAX_WARNINGS` different ones only a count is kept (memory stays bounded)."""
+        if message in self._warned:
             return
+        if len(self.warnings) >= MAX_WARNINGS:
+            self.warnings_dropped += 1
+            if self.warnings_dropped == 1:
+                logger().warning("more than %d different warnings; the rest are counted, not kept", MAX_WARNINGS)
+            return
+        self._warned.add(message)
         self.warnings.append(message)
-        logger().warning("devmap_shims: %s", message)
+        logger().warning("%s", message)
 
     def reset_knowledge(self) -> None:
         self._matrix = None

@@ -55,19 +55,23 @@ def test_malformed_plugin_row_is_dropped_with_its_name_and_field(fake_stack, cap
 
 
 class _EntryPoint:
-    def __init__(self, name, obj, dist="acme-plugin"):
+    def __init__(self, name, obj):
         self.name, self.value, self._obj = name, f"acme:{name}", obj
-        self.dist = type("Dist", (), {"name": dist})()
 
     def load(self):
-        if isinstance(self._obj, Exception):
+        if isinstance(self._obj, BaseException):
             raise self._obj
-        return self._obj
+        return self._obj() if callable(self._obj) and not isinstance(self._obj, Shim) else self._obj
+
+
+def plugin(monkeypatch, *eps, dist="acme-plugin"):
+    """These entry points, of distribution ``dist``, in every group."""
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [(dist, ep) for ep in eps])
 
 
 def test_plugin_colliding_with_a_builtin_id_is_renamed_and_said(monkeypatch):
     shim = Shim("device-map-balance", ("x",), (Target("acme.core", "f"),), add_one)
-    monkeypatch.setattr(plugins, "_entry_points", lambda group: [_EntryPoint("acme", [shim, shim])])
+    plugin(monkeypatch, _EntryPoint("acme", [shim, shim]))
     shims, problems = plugins.plugin_shims(["device-map-balance"], [])
     assert [s.id for s in shims] == ["acme-plugin:device-map-balance"]
     assert any("is the id of a built-in shim; it is registered as 'acme-plugin:device-map-balance'" in p for p in problems)
@@ -75,7 +79,7 @@ def test_plugin_colliding_with_a_builtin_id_is_renamed_and_said(monkeypatch):
 
 
 def test_plugin_that_raises_on_import_is_skipped(monkeypatch):
-    monkeypatch.setattr(plugins, "_entry_points", lambda group: [_EntryPoint("boom", ImportError("No module named 'acme_missing'"))])
+    plugin(monkeypatch, _EntryPoint("boom", ImportError("No module named 'acme_missing'")))
     shims, problems = plugins.plugin_shims([], [])
     assert shims == []
     assert problems == [
@@ -85,7 +89,7 @@ def test_plugin_that_raises_on_import_is_skipped(monkeypatch):
 
 
 def test_plugin_entry_point_that_is_not_a_shim(monkeypatch):
-    monkeypatch.setattr(plugins, "_entry_points", lambda group: [_EntryPoint("odd", [42])])
+    plugin(monkeypatch, _EntryPoint("odd", [42]))
     shims, problems = plugins.plugin_shims([], [])
     assert shims == [] and "gave 42, not a devmap_shims Shim" in problems[0]
 

@@ -5,22 +5,25 @@ Qwen2.5-Omni ...), and which ones differs per release, so they are found in the 
 transformers' own files without importing them: the ``models/*/modeling_*.py`` and
 ``models/*/generation_*.py`` files are scanned for ``def generate(`` in a class body. Reading
 ~500 files costs 50-150 ms, so the result is kept in ``$XDG_CACHE_HOME/devmap_shims`` (default
-``~/.cache/devmap_shims``), keyed by the package's location and the stamps of its files. The
-scan runs only when the generate shim arms (its bug applies and transformers is being imported).
+``~/.cache/devmap_shims``; see :mod:`devmap_shims.cache`), keyed by the package's location and the
+stamps of its files, holding only lines the scan could have produced. The scan runs only when the
+generate shim arms (its bug applies and transformers is being imported).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
     from typing import Any, Iterable, List, Optional, Tuple
 
+from devmap_shims import cache
 from devmap_shims.shims import Target
 
-_CACHE_FORMAT = "devmap-shims generate overrides v1"
+_CACHE_FORMAT = "devmap-shims generate overrides v2"
 
 
 def transformers_root() -> Optional[str]:
@@ -137,47 +140,13 @@ def _cache_key(root: str) -> str:
     return "|".join(parts)
 
 
-def _fnv1a(text: str) -> str:
-    value = 0xCBF29CE484222325
-    for byte in text.encode("utf-8", "surrogateescape"):
-        value = ((value ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return f"{value:016x}"
+#: What the scan can produce: a module of transformers.models and a class name.
+_MODULE = r"transformers\.models(?:\.[A-Za-z_][A-Za-z0-9_]*)+"
+_LINE = re.compile(rf"^{_MODULE}:[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "devmap_shims")
-
-
-def _read_cache(path: str, key: str) -> Optional[List[Tuple[str, str]]]:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            lines = handle.read().split("\n")
-    except (OSError, UnicodeDecodeError):
-        return None
-    if len(lines) < 2 or lines[0] != _CACHE_FORMAT or lines[1] != key:
-        return None
-    found = []
-    for line in lines[2:]:
-        module, sep, cls = line.partition(":")
-        if sep and module and cls:
-            found.append((module, cls))
-    return found
-
-
-def _write_cache(path: str, key: str, found: List[Tuple[str, str]]) -> None:
-    text = "\n".join([_CACHE_FORMAT, key] + [f"{m}:{c}" for m, c in found]) + "\n"
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)  # atomic: torchrun workers may race to write the same file
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+def _accept(line: str) -> bool:
+    return _LINE.match(line) is not None
 
 
 def generate_overrides(root: Optional[str] = None) -> List[Tuple[str, str]]:
@@ -186,11 +155,12 @@ def generate_overrides(root: Optional[str] = None) -> List[Tuple[str, str]]:
     if root is None:
         return []
     key = _cache_key(root)
-    path = os.path.join(cache_dir(), f"generate-overrides-{_fnv1a(key)}.txt")
-    found = _read_cache(path, key)
-    if found is None:
-        found = scan_generate_overrides(root)
-        _write_cache(path, key, found)
+    name, header = f"generate-overrides-{cache.fnv1a(key)}.txt", f"{_CACHE_FORMAT}\n{key}"
+    lines = cache.read(name, header, _accept)
+    if lines is not None:
+        return [tuple(line.split(":")) for line in lines]  # type: ignore[misc]
+    found = scan_generate_overrides(root)
+    cache.write(name, header, [f"{m}:{c}" for m, c in found if _accept(f"{m}:{c}")])
     return found
 
 

@@ -1,0 +1,140 @@
+"""Small cache files under ``$XDG_CACHE_HOME/devmap_shims``, read and written without trusting the disk.
+
+The cache is read in processes that enable the shims, pip and services included, possibly as root
+with another user's ``HOME`` or with a shared ``XDG_CACHE_HOME``. So:
+
+* the folder is ``$XDG_CACHE_HOME/devmap_shims`` when that variable is an absolute path (the XDG
+  specification says to ignore a relative one), else ``$HOME/.cache/devmap_shims`` when ``HOME``
+  is absolute; otherwise there is no cache;
+* reading opens without following a link and without blocking, and takes only a regular file of
+  this user no larger than :data:`MAX_BYTES`: a FIFO, ``/dev/zero`` or a huge file is ignored;
+* a file is used only when its header names this format and key, every line is one the caller
+  accepts, and its last line holds the count and hash of the lines before it (a torn or foreign
+  file is ignored, and rewritten);
+* writing goes to a fresh file made with ``mkstemp`` (exclusive create, mode 0600) in a folder of
+  this user that nobody else can write to, then renamed over the old name, which replaces a link
+  planted there instead of following it. When the folder is not safe nothing is written.
+
+Every failure is silent: the caller computes the data again.
+"""
+
+from __future__ import annotations
+
+import os
+
+TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
+if TYPE_CHECKING:
+    from typing import Callable, List, Optional
+
+MAX_BYTES = 1 << 20
+
+
+def cache_dir() -> Optional[str]:
+    """The cache folder, or None when the environment names no usable one."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        home = os.environ.get("HOME", "") if "HOME" in os.environ else os.path.expanduser("~")
+        if not home or not os.path.isabs(home) or home == os.sep:
+            return None
+        base = os.path.join(home, ".cache")
+    return os.path.join(base, "devmap_shims")
+
+
+def fnv1a(text: str) -> str:
+    """A 64-bit FNV-1a hash of ``text``, as 16 hex digits (a checksum, not a security measure)."""
+    value = 0xCBF29CE484222325
+    for byte in text.encode("utf-8", "surrogateescape"):
+        value = ((value ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"{value:016x}"
+
+
+def _end_line(lines: List[str]) -> str:
+    return f"end {len(lines)} {fnv1a(chr(10).join(lines))}"
+
+
+def read(name: str, header: str, accept: Callable[[str], bool]) -> Optional[List[str]]:
+    """The lines stored under ``name`` after ``header`` (format and key), or None when there is no
+    such file or it cannot be trusted."""
+    folder = cache_dir()
+    if folder is None:
+        return None
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(os.path.join(folder, name), flags)
+    except OSError:
+        return None
+    try:
+        import stat
+
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES:
+            return None
+        if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
+            return None
+        chunks, size = [], 0
+        while size <= MAX_BYTES:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_BYTES:
+            return None
+        text = b"".join(chunks).decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    head = header.split("\n")
+    if len(lines) <= len(head) or lines[: len(head)] != head or lines[-1] != _end_line(lines[:-1]):
+        return None
+    body = lines[len(head):-1]
+    if not all(accept(line) for line in body):
+        return None
+    return body
+
+
+def _safe_folder(folder: str) -> bool:
+    """Whether ``folder`` is a real folder of this user that nobody else may write to (made so if
+    it does not exist)."""
+    import stat
+
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        info = os.lstat(folder)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(info.st_mode):
+        return False
+    if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
+        return False
+    return not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def write(name: str, header: str, lines: List[str]) -> bool:
+    """Store ``lines`` under ``name`` after ``header``; False when nothing could be written safely."""
+    folder = cache_dir()
+    if folder is None or not _safe_folder(folder):
+        return False
+    content = header.split("\n") + list(lines)
+    text = "\n".join(content + [_end_line(content)]) + "\n"
+    import tempfile
+
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    except OSError:
+        return False
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, os.path.join(folder, name))  # atomic; replaces a link, never follows it
+        return True
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False

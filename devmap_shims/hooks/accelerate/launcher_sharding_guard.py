@@ -6,6 +6,12 @@ It does not fix a hang: it detects the configuration the row suspects, right aft
 ``GenerationMixin._prepare_generation_config``, which every ``generate`` calls first; ``generate``
 itself is the generate-input-device shim's), and warns once per install with the cause and the two
 fixes: run one process, or load one full copy per process with ``device_map={"": local_rank}``.
+In strict mode a ``from_pretrained(device_map="auto" | "balanced" ...)`` that would shard over
+several GPUs under a launch raises before loading, not after.
+
+Not flagged: a model loaded with an explicit ``device_map`` dict (the user placed it on purpose),
+and ranks that were given GPU sets of their own: this process's ``CUDA_VISIBLE_DEVICES`` differs
+from the launcher's (its parent process's, read from ``/proc`` on Linux).
 
 Rows (generated from known_bugs.toml by scripts/regenerate.py):
     device-map-auto-generate-hang-grpo
@@ -75,6 +81,23 @@ def _initialized_distributed() -> Any:
         return None
 
 
+def has_own_gpus() -> bool:
+    """Whether this rank was given GPUs of its own: its ``CUDA_VISIBLE_DEVICES`` is set and is not
+    the launcher's (torchrun passes its environment to every rank, so a shared setting is equal)."""
+    mine = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if mine is None:
+        return False
+    try:
+        with open(f"/proc/{os.getppid()}/environ", "rb") as handle:
+            parent = handle.read(1 << 20).split(b"\0")
+    except OSError:
+        return False  # cannot tell: assume the ranks share
+    for item in parent:
+        if item.startswith(b"CUDA_VISIBLE_DEVICES="):
+            return item.split(b"=", 1)[1].decode(errors="replace") != mine
+    return True  # the launcher sees every GPU, this rank only some
+
+
 def gpus_of(model: Any) -> List[str]:
     """The GPUs ``model``'s ``hf_device_map`` spreads it over, as ``cuda:N`` (sorted)."""
     device_map = getattr(model, "hf_device_map", None)
@@ -99,12 +122,13 @@ def _gpu_name(device: Any) -> Optional[str]:
     return None
 
 
-def sharding_message(model: Any, where: str) -> Optional[str]:
-    """The warning for ``model`` in this process, or None when the configuration is fine."""
+def sharding_message(model: Any, where: str, gpus: Optional[List[str]] = None) -> Optional[str]:
+    """The warning for ``model`` (or for ``gpus``, before a load) in this process, or None when the
+    configuration is fine."""
     launch = _launch()
-    if launch is None:
+    if launch is None or has_own_gpus():
         return None
-    gpus = gpus_of(model)
+    gpus = gpus_of(model) if gpus is None else gpus
     if len(gpus) < 2:
         return None
     rank, world, local = launch
@@ -120,27 +144,50 @@ def sharding_message(model: Any, where: str) -> Optional[str]:
     )
 
 
-def check(context: Any, model: Any, where: str) -> None:
-    """Warn once (raise ``ShimError`` in strict mode) when ``model`` is sharded under a
-    multi-process launch."""
+def check(context: Any, model: Any, where: str, gpus: Optional[List[str]] = None) -> None:
+    """Warn once (raise ``ShimError`` in strict mode) when ``model`` is sharded (or, before a load,
+    would be sharded over ``gpus``) under a multi-process launch."""
     if context.state.given:
         return
-    message = sharding_message(model, where)
+    message = sharding_message(model, where, gpus)
     if message is None:
         return
     context.state.given = True
     context.refuse(message)
 
 
+STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
 @with_context
 def check_after_from_pretrained(context: Any, wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """Wrapper for ``PreTrainedModel.from_pretrained``: load, then look at the map it used."""
+    """Wrapper for ``PreTrainedModel.from_pretrained``: look at the map it used (strict mode: at the
+    map it is about to compute, before loading)."""
+    device_map = kwargs.get("device_map")
+    if isinstance(device_map, dict):
+        return wrapped(*args, **kwargs)  # placed by hand, on purpose
+    if context.strict and not context.state.given and device_map in STRATEGIES:
+        gpus = _visible_gpus()
+        if len(gpus) > 1:
+            check(context, None, f"{getattr(instance, '__name__', 'model')}.from_pretrained(device_map={device_map!r})",
+                  gpus)
     result = wrapped(*args, **kwargs)
     if not context.state.given:
         model = result[0] if isinstance(result, tuple) else result  # output_loading_info=True
         if isinstance(getattr(model, "hf_device_map", None), dict):
             check(context, model, f"{type(model).__name__}.from_pretrained")
     return result
+
+
+def _visible_gpus() -> List[str]:
+    import sys
+
+    torch = sys.modules.get("torch")
+    try:
+        count = torch.cuda.device_count() if torch is not None else 0
+    except Exception:
+        count = 0
+    return [f"cuda:{i}" for i in range(count)]
 
 
 @with_context

@@ -80,6 +80,32 @@ def test_a_single_process_is_fine(monkeypatch, world):
     assert hook.sharding_message(_Model({"model": 0, "lm_head": 1}), "x") is None
 
 
+def test_ranks_with_gpu_sets_of_their_own_are_fine(launch, monkeypatch):
+    sharded = _Model({"model": 0, "lm_head": 1})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # not the launcher's (pytest's parent has another)
+    assert hook.has_own_gpus()
+    assert hook.sharding_message(sharded, "x") is None
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert not hook.has_own_gpus() and hook.sharding_message(sharded, "x") is not None
+
+
+def test_an_explicit_device_map_dict_is_the_users_choice(launch, context, registry):
+    after_load = bind_context(hook.check_after_from_pretrained, context)
+    sharded = _Model({"model": 0, "lm_head": 1})
+    after_load(lambda *a, **k: sharded, None, ("path",), {"device_map": {"model": 0, "lm_head": 1}})
+    assert registry.warnings == []
+
+
+def test_strict_mode_refuses_before_loading(launch, context, registry, monkeypatch):
+    registry.strict = True
+    monkeypatch.setattr(hook, "_visible_gpus", lambda: ["cuda:0", "cuda:1"])
+    after_load = bind_context(hook.check_after_from_pretrained, context)
+    loads = []
+    with pytest.raises(ShimError, match="process 1 of 2"):
+        after_load(lambda *a, **k: loads.append(1), None, ("path",), {"device_map": "auto"})
+    assert loads == [], "strict mode raises before the model is loaded"
+
+
 def test_warns_once_per_install(launch, context, registry):
     sharded = _Model({"model": 0, "lm_head": 1})
     hook.check(context, sharded, "first")

@@ -14,7 +14,7 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-from devmap_shims.cli._output import EXIT_OK, EXIT_USAGE, UsageError
+from devmap_shims.cli._output import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, UsageError
 
 #: (name, module, add_arguments, run, help): the subcommands, in the order ``--help`` lists them.
 COMMANDS = (
@@ -66,6 +66,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_USAGE
     except BrokenPipeError:  # `devmap-shims matrix | head`
         return EXIT_OK
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # one line, not a traceback; DEVMAP_SHIMS_LOG=debug shows it
+        import os
+
+        if os.environ.get("DEVMAP_SHIMS_LOG", "").strip().lower() == "debug":
+            raise
+        text = " ".join(str(exc).split())[:300]
+        print(f"devmap-shims {args.command_name}: error: {type(exc).__name__}: {text} "
+              "(DEVMAP_SHIMS_LOG=debug shows the traceback)", file=sys.stderr)
+        return EXIT_PROBLEM
 
 
 if __name__ == "__main__":  # pragma: no cover

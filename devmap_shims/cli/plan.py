@@ -48,25 +48,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # -- inputs ---------------------------------------------------------------------------------------
 
 
+#: A model config is a few kilobytes; nothing larger is read.
+MAX_CONFIG_BYTES = 4 << 20
+#: What a config may ask the planner to build on the meta device: a few thousand layers at most.
+MAX_LAYERS = 4096
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
 def read_config_dict(path_text: str) -> Tuple[Dict[str, Any], Path]:
+    """The JSON object of a local ``config.json`` (or of a folder's), read without blocking on a
+    FIFO or a device and without following it past :data:`MAX_CONFIG_BYTES`."""
+    import os
+    import stat
+
     path = Path(path_text)
     if path.is_dir():
         path = path / "config.json"
     try:
-        text = path.read_text(encoding="utf-8")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise UsageError(f"no such file: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read {path}: {exc.__class__.__name__}: {one_line(exc)}") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
     try:
-        data = json.loads(text)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(f"{path} is not a regular file (a model config is a JSON file)")
+        raw = os.read(fd, MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise UsageError(f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a model config")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise UsageError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except (RecursionError, ValueError) as exc:  # nested too deep; numbers too long to convert
+        raise UsageError(f"{path} cannot be read as a model config ({type(exc).__name__})") from None
     if not isinstance(data, dict):
         raise UsageError(f"{path} does not hold a JSON object")
     if not isinstance(data.get("model_type"), str):
         raise UsageError(f"{path} has no \"model_type\"; it does not look like a transformers model config")
+    _check_plausible(data, path)
     return data, path
+
+
+def _check_plausible(data: Dict[str, Any], path: Path) -> None:
+    """Refuse, in one line, configs the planner cannot build on the meta device: no layers, more
+    than :data:`MAX_LAYERS`, or sizes no machine has."""
+    for key in _LAYER_KEYS:
+        value = data.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LAYERS:
+            raise UsageError(f"{path}: {key} = {str(value)[:40]} (plan builds models of 1 to {MAX_LAYERS} layers)")
+    for key, value in data.items():
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**40:
+            raise UsageError(f"{path}: {key} = {str(value)[:40]}... is larger than any model dimension")
 
 
 def parse_caps(text: Optional[str]) -> Dict[Any, int]:
@@ -159,10 +201,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot build {data['model_type']} from {path}: {type(exc).__name__}: {one_line(exc)}") from None
 
     armed = shim_armed() and not args.without_shims
-    library_map = stack.device_map_step(meta, args.device_map, max_memory, shim=False)
-    final_map = stack.device_map_step(meta, args.device_map, max_memory, shim=True) if armed else library_map
-    layout, budgets = stack.layout_and_budgets(meta, args.device_map, max_memory)
-    report = _report(args, meta, layout, budgets, library_map, final_map, armed, gpus, max_memory, path)
+    try:
+        library_map = stack.device_map_step(meta, args.device_map, max_memory, shim=False)
+        final_map = stack.device_map_step(meta, args.device_map, max_memory, shim=True) if armed else library_map
+        layout, budgets = stack.layout_and_budgets(meta, args.device_map, max_memory)
+        report = _report(args, meta, layout, budgets, library_map, final_map, armed, gpus, max_memory, path)
+    except (MemoryError, RecursionError, ValueError, TypeError, KeyError) as exc:
+        raise UsageError(f"the device-map step failed for {path}: {type(exc).__name__}: {one_line(exc)}") from None
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)
         print()
@@ -241,6 +286,13 @@ def _report(args, meta, layout, budgets, library_map, final_map, armed, gpus, ma
             "problems": library.problems,
             "balance_ratio": round(library.ratio, 4),
         }
+    if final is not None and final.verdict == "ok" and final.offloaded:
+        report["verdict"] = "does not fit"
+        report["problems"] = list(report["problems"]) + [
+            f"{format_bytes(final.offloaded)} of the model's {format_bytes(layout.total)} cannot stay on the GPUs in "
+            "any placement (their budgets are too small) and goes to CPU/disk: add GPUs, raise --max-memory, or "
+            "quantize"
+        ]
     if meta.quantization != "none" and final and final.offloaded:
         report["problems"] = list(report["problems"]) + [
             "bitsandbytes refuses CPU/disk offload unless llm_int8_enable_fp32_cpu_offload=True is set"

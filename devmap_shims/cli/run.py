@@ -1,11 +1,18 @@
-"""``devmap-shims run -- CMD``: run a command with ``DEVMAP_SHIMS=1``."""
+"""``devmap-shims run -- CMD``: run a command with ``DEVMAP_SHIMS=1``.
+
+``DEVMAP_SHIMS=0`` in the environment is the kill switch and beats ``run``: the command runs
+without shims (said once on stderr). A command that does not exist exits 127, one that is not
+executable 126, as a shell would.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from devmap_shims.cli._output import EXIT_OK, UsageError
+from devmap_shims.shims.config import ENV_ENABLE, flag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,9 +26,15 @@ def run(args: argparse.Namespace) -> int:
     if not command:
         raise UsageError("run needs a command: devmap-shims run -- python serve.py")
     env = dict(os.environ)
-    env["DEVMAP_SHIMS"] = "1"
+    if flag(env.get(ENV_ENABLE)) is False:
+        print(f"devmap-shims run: {ENV_ENABLE}={env[ENV_ENABLE]!r} (the kill switch) beats run: "
+              f"{command[0]} runs without shims", file=sys.stderr)
+    else:
+        env[ENV_ENABLE] = "1"
     try:
         os.execvpe(command[0], command, env)
     except OSError as exc:
-        raise UsageError(f"cannot run {command[0]!r}: {exc.strerror}") from None
+        missing = isinstance(exc, FileNotFoundError)
+        print(f"devmap-shims run: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
+        return 127 if missing else 126
     return EXIT_OK  # pragma: no cover

@@ -25,6 +25,11 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _GROUP_RE = re.compile(r"^\s*(?:(\d+)\s*[xX*]\s*)?(.+?)\s*$")
 
 
+#: Bounds of a plausible machine: no memory size above 1 PiB, no more than 4096 GPUs in all.
+MAX_SIZE = 2**50
+MAX_GPUS = 4096
+
+
 class TopologyError(ValueError):
     """A size or GPU topology string that cannot be read."""
 
@@ -36,15 +41,25 @@ def parse_size(text: "str | int") -> int:
     if isinstance(text, int):
         if text < 0:
             raise TopologyError(f"memory size cannot be negative: {text}")
-        return text
-    match = _SIZE_RE.match(str(text))
+        return _bounded(text, str(text))
+    text = str(text)
+    match = _SIZE_RE.match(text) if len(text) <= 64 else None
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise TopologyError(
-            f"not a memory size: {text!r} (write e.g. 23GiB, 80GB or a number of bytes; "
+            f"not a memory size: {text[:64]!r} (write e.g. 23GiB, 80GB or a number of bytes; "
             "KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000)"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    number = float(match.group(1))
+    if number * _UNITS[unit] > MAX_SIZE:
+        raise TopologyError(f"memory size {text.strip()!r} is over 1 PiB: not a plausible machine")
+    return int(number * _UNITS[unit])
+
+
+def _bounded(size: int, text: str) -> int:
+    if size > MAX_SIZE:
+        raise TopologyError(f"memory size {text[:64]} is over 1 PiB: not a plausible machine")
+    return size
 
 
 def parse_gpus(text: str) -> List[int]:
@@ -56,11 +71,12 @@ def parse_gpus(text: str) -> List[int]:
         match = _GROUP_RE.match(part)
         if match is None or not match.group(2):
             raise TopologyError(f"cannot read GPU group {part!r} in {text!r} (write e.g. 8x23GiB)")
-        count = int(match.group(1)) if match.group(1) is not None else 1
+        digits = match.group(1)
+        count = int(digits) if digits is not None and len(digits) <= 6 else (1 if digits is None else MAX_GPUS + 1)
         if count < 1:
-            raise TopologyError(f"GPU count must be at least 1 in {part!r}")
-        if count > 4096:
-            raise TopologyError(f"GPU count {count} in {part!r} is not a plausible machine")
+            raise TopologyError(f"GPU count must be at least 1 in {part[:64]!r}")
+        if count + len(capacities) > MAX_GPUS:
+            raise TopologyError(f"{text[:64]!r} adds up to more than {MAX_GPUS} GPUs: not a plausible machine")
         try:
             size = parse_size(match.group(2))
         except TopologyError as exc:

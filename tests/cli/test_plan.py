@@ -166,3 +166,12 @@ def test_registered_in_the_cli(capsys, gemma_dir, stack_ready):
     code = main(["plan", str(gemma_dir), "--gpus", "8x", "--json"])
     _, err = capsys.readouterr()
     assert code == 2 and len(err.strip().splitlines()) == 1
+
+
+def test_a_model_that_cannot_fit_is_not_called_ok(capsys, gemma_dir, stack_ready):
+    """Gemma-7B in bf16 (17 GB) on two 1 GiB GPUs and 1 GiB of CPU: most of it goes to disk."""
+    code, out, _ = run(capsys, str(gemma_dir), "--gpus", "2x1GiB", "--cpu-memory", "1GiB", "--json",
+                       "--without-shims")
+    report = json.loads(out)
+    assert code == 1 and report["verdict"] == "does not fit", report["verdict"]
+    assert any("cannot stay on the GPUs in any placement" in problem for problem in report["problems"])

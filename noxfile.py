@@ -1,25 +1,54 @@
-"""Test sessions: one virtualenv per pinned library stack.
+"""Test sessions: one virtualenv per pinned library stack, and the engine on every supported Python.
 
     nox                      # every session (what CI runs)
     nox -s current           # the newest release of each target library
     nox -s legacy-2024       # transformers 4.45.1 / accelerate 0.34.2 / bitsandbytes 0.44.1 / torch 2.4.1
+    nox -s engine-3.9        # the engine, matrix, CLI and hardening tests on Python 3.9
 
 Each stack is pinned completely in ``stacks/<name>.txt`` (compiled from ``stacks/<name>.in`` with
 ``uv pip compile``), so a run next month installs the same thing. ``nox -s lock`` recompiles them.
-Virtualenvs are made with uv, whose cache keeps the multi-GB CUDA wheels of torch between runs.
+``stacks/test.txt`` is one lock for every supported Python (3.9-3.13); ``legacy-2024-py3.10`` is
+the legacy-2024 stack on Python 3.10, the Python its users run. Virtualenvs are made with uv, whose
+cache keeps the multi-GB CUDA wheels of torch between runs. Interpreters are found on PATH or, where
+pyenv keeps them, under ``$PYENV_ROOT/versions`` (default ``~/.pyenv``).
 """
 
 from __future__ import annotations
 
+import glob
+import os
+import shutil
+import subprocess
 
 import nox
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["engine", "current", "legacy-2024", "mid-2025", "late-2025", "legacy-2023"]
 
 PYTHON = "3.11"
+PYTHONS = ("3.9", "3.10", "3.11", "3.12", "3.13")
 STACKS = ("current", "legacy-2024", "mid-2025", "late-2025", "legacy-2023")
+#: (session, lock file, Python): stacks run on another Python than PYTHON.
+OTHER_PYTHON_STACKS = (("legacy-2024-py3.10", "legacy-2024-py3.10", "3.10"),)
+ENGINE_TESTS = (
+    "tests/engine", "tests/hardening", "tests/test_compat_matrix.py", "tests/test_versions.py",
+    "tests/test_shim_contract.py",
+)
+
+nox.options.sessions = (
+    [f"engine-{version}" for version in PYTHONS] + list(STACKS) + [name for name, _, _ in OTHER_PYTHON_STACKS]
+)
+
+
+def interpreter(version: str) -> str:
+    """A working ``pythonX.Y``: on PATH when it runs (a pyenv shim may not), else pyenv's."""
+    name = f"python{version}"
+    found = shutil.which(name)
+    if found and subprocess.run([found, "-c", "pass"], capture_output=True).returncode == 0:
+        return found
+    root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    candidates = sorted(glob.glob(os.path.join(root, "versions", f"{version}.*", "bin", name)))
+    return candidates[-1] if candidates else name
 
 
 def _install_stack(session: nox.Session, stack: str) -> None:
@@ -33,36 +62,39 @@ def _pytest(session: nox.Session, stack: str, *paths: str) -> None:
     session.run("python", "-m", "pytest", *(session.posargs or paths), env=env)
 
 
-@nox.session(python=PYTHON)
-def engine(session: nox.Session) -> None:
-    """The engine, matrix, CLI and packaging tests: no target library installed."""
-    _install_stack(session, "test")
-    _pytest(
-        session, "engine", "tests/engine", "tests/test_compat_matrix.py", "tests/test_versions.py",
-        "tests/test_shim_contract.py",
-    )
-
-
-def _stack_session(stack: str):
-    @nox.session(name=stack, python=PYTHON)
+def _engine_session(version: str):
+    @nox.session(name=f"engine-{version}", python=interpreter(version))
     def run(session: nox.Session) -> None:
-        _install_stack(session, stack)
-        _pytest(session, stack, "tests")
+        _install_stack(session, "test")
+        _pytest(session, "engine", *ENGINE_TESTS)
 
-    run.__doc__ = f"The whole suite on the {stack} stack (stacks/{stack}.in)."
+    run.__doc__ = f"The engine, matrix, CLI, contract and hardening tests on Python {version}: no target library."
     return run
 
 
-for _stack in STACKS:
-    globals()[f"session_{_stack.replace('-', '_')}"] = _stack_session(_stack)
+def _stack_session(name: str, lock: str, version: str):
+    @nox.session(name=name, python=interpreter(version))
+    def run(session: nox.Session) -> None:
+        _install_stack(session, lock)
+        _pytest(session, name, "tests")
+
+    run.__doc__ = f"The whole suite on stacks/{lock}.txt, Python {version}."
+    return run
+
+
+for _version in PYTHONS:
+    globals()[f"session_engine_{_version.replace('.', '_')}"] = _engine_session(_version)
+for _name, _lock, _version in tuple((s, s, PYTHON) for s in STACKS) + OTHER_PYTHON_STACKS:
+    globals()[f"session_{_name.replace('-', '_').replace('.', '_')}"] = _stack_session(_name, _lock, _version)
 
 
 @nox.session(python=PYTHON, venv_backend="none")
 def lock(session: nox.Session) -> None:
     """Recompile stacks/*.txt from stacks/*.in."""
-    for name in ("test",) + STACKS:
-        session.run(
-            "uv", "pip", "compile", "-q", "--python-version", PYTHON,
-            "--python-platform", "x86_64-manylinux_2_28", f"stacks/{name}.in", "-o", f"stacks/{name}.txt",
-            external=True,
-        )
+    platform = ("--python-platform", "x86_64-manylinux_2_28")
+    session.run("uv", "pip", "compile", "-q", "--universal", "--python-version", PYTHONS[0], "stacks/test.in",
+                "-o", "stacks/test.txt", external=True)
+    for name, lock_name, version in tuple((s, s, PYTHON) for s in STACKS) + OTHER_PYTHON_STACKS:
+        source = f"stacks/{name.split('-py')[0]}.in"
+        session.run("uv", "pip", "compile", "-q", "--python-version", version, *platform, source,
+                    "-o", f"stacks/{lock_name}.txt", external=True)

@@ -22,6 +22,11 @@ pytestmark = [
     pytest.mark.skipif(
         os.environ.get("DEVMAP_STACK") not in (None, "engine"), reason="packaging tests run in the engine session"
     ),
+    # they make virtualenvs and install into them with uv (stacks/test.txt has it; the test extra does not)
+    pytest.mark.skipif(
+        __import__("importlib.util").util.find_spec("uv") is None,
+        reason="needs uv (`python -m uv`): pip install uv, or use stacks/test.txt",
+    ),
 ]
 
 

@@ -193,7 +193,7 @@ def maybe_repair(layout: Any, result: dict, budgets: Mapping[Any, float], low_ze
     if not outcome.repaired:
         logger.debug("device map kept: %s", outcome.reason)
         return result
-    logger.info("devmap_shims: repaired device map (bug %s): %s", BUG_ID, outcome.reason)
+    logger.info("repaired device map (bug %s): %s", BUG_ID, outcome.reason)
     return type(result)(outcome.device_map) if type(result) is not dict else outcome.device_map
 
 

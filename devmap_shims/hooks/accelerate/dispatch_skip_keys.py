@@ -54,7 +54,7 @@ def dispatch_with_skip_keys(wrapped: Callable[..., Any], instance: Any, args: Tu
             skip_keys = declared
             args, kwargs = with_argument(wrapped, "skip_keys", declared, args, kwargs)
             logger.debug(
-                "devmap_shims: %s passes skip_keys=%r (%s._skip_keys_device_placement) to %s",
+                "%s passes skip_keys=%r (%s._skip_keys_device_placement) to %s",
                 SHIM.id, declared, type(model).__name__, getattr(wrapped, "__name__", "dispatch"),
             )
     result = wrapped(*args, **kwargs)
@@ -75,7 +75,7 @@ def propagate_skip_keys(model: Any, skip_keys: Any) -> int:
                 hook.skip_keys = skip_keys
                 changed += 1
     if changed:
-        logger.debug("devmap_shims: %s gave skip_keys=%r to %d child hook(s)", SHIM.id, skip_keys, changed)
+        logger.debug("%s gave skip_keys=%r to %d child hook(s)", SHIM.id, skip_keys, changed)
     return changed
 
 

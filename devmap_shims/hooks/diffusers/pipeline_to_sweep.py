@@ -3,7 +3,7 @@ left on the load GPU joins its weights; a one-GPU ``device_map`` is honoured for
 
 * ``DiffusionPipeline.to`` and ``ModelMixin.to`` / ``.cuda``: after the original move, every
   component is swept for bitsandbytes parameters whose quant-state tensors are not on the
-  parameter's device, and those tensors are moved (one INFO line per pipeline sweep). A model
+  parameter's device, and those tensors are moved (an INFO line when a sweep moved some). A model
   ``.to`` inside a pipeline ``.to`` leaves the sweep to the pipeline.
 * ``ModelMixin.from_pretrained`` with a one-GPU ``device_map`` (``{"": "cuda:1"}``, ``"cuda:1"``,
   ``1``, ``torch.device("cuda", 1)``) for a bitsandbytes-quantized load, which these diffusers
@@ -115,8 +115,10 @@ def repair_pipeline_to(context: Any, wrapped: Callable[..., Any], instance: Any,
         moves.depth -= 1
     if moves.depth == 0 and instance is not None:
         moved, modules = sweep_pipeline(instance)
+        if not moved:
+            return result
         logger.info(
-            "devmap_shims: %s after %s: moved %d quantization-state tensor(s) of %d component(s) onto their "
+            "%s after %s: moved %d quantization-state tensor(s) of %d component(s) onto their "
             "weights' devices (shim %s)",
             BUG_ID, _describe_call(instance, "to", args, kwargs), moved, modules, SHIM.id,
         )
@@ -131,7 +133,7 @@ def repair_model_to(context: Any, wrapped: Callable[..., Any], instance: Any, ar
         moved = sweep_module(instance)
         if moved:
             logger.info(
-                "devmap_shims: %s after %s: moved %d quantization-state tensor(s) onto their weights' devices "
+                "%s after %s: moved %d quantization-state tensor(s) onto their weights' devices "
                 "(shim %s)",
                 BUG_ID, _describe_call(instance, getattr(wrapped, "__name__", "to"), args, kwargs), moved, SHIM.id,
             )
@@ -195,7 +197,7 @@ def repair_from_pretrained(wrapped: Callable[..., Any], instance: Any, args: Tup
         return wrapped(*args, **kwargs)  # let diffusers report the bad map
     kwargs = {k: v for k, v in kwargs.items() if k != "device_map"}
     logger.info(
-        "devmap_shims: %s: loading %s on cuda:%d as the current device instead of passing device_map, which "
+        "%s: loading %s on cuda:%d as the current device instead of passing device_map, which "
         "this diffusers refuses for quantized models (shim %s)",
         BUG_ID, getattr(instance, "__name__", "model"), index, SHIM.id,
     )

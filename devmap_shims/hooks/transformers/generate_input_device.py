@@ -112,7 +112,7 @@ def align_generate_inputs(wrapped: Callable[..., Any], instance: Any, args: Tupl
     new_args = tuple(move(f"positional argument {i}", value) for i, value in enumerate(args))
     new_kwargs = {name: move(name, value) for name, value in kwargs.items()}
     logger.debug(
-        "devmap_shims: %s moved %s to %s, the device of %s's input embeddings, before generate()",
+        "%s moved %s to %s, the device of %s's input embeddings, before generate()",
         SHIM.id, ", ".join(moved), target, type(instance).__name__,
     )
     result = wrapped(*new_args, **new_kwargs)

@@ -148,9 +148,12 @@ def test_pipe_to_second_gpu_leaves_strays_without_and_none_with_the_sweep(checkp
         pipe = pipeline_with(load_4bit(checkpoint))
         pipe.to("cuda:1")
         assert check_devices(pipe) == []
-    (line,) = sweep_lines(caplog)
-    assert hook.BUG_ID in line and f"moved {len(strays)} quantization-state tensor(s) of 4 component(s)" in line
-    assert "FluxPipeline.to('cuda:1')" in line
+    if strays:
+        (line,) = sweep_lines(caplog)
+        assert hook.BUG_ID in line and f"moved {len(strays)} quantization-state tensor(s) of 4 component(s)" in line
+        assert "FluxPipeline.to('cuda:1')" in line
+    else:
+        assert sweep_lines(caplog) == []  # a sweep that moved nothing says nothing
 
 
 def _timestep_linear(transformer, device):
@@ -196,7 +199,10 @@ def test_round_trips_and_dtype_moves_keep_state_consistent_and_weights_identical
             assert all(m.weight.bnb_quantized for m in pipe.transformer.modules() if isinstance(m, bnb.nn.Linear4bit))
         assert pipe.text_encoder.dtype == torch.float16  # the dtype move reached unquantized components
         assert str(pipe.transformer.device) == "cuda:1"
-    assert len(sweep_lines(caplog)) == 5  # one per pipeline move, none for the model moves inside them
+    lines = sweep_lines(caplog)  # at most one per pipeline move, none for the model moves inside them
+    assert len(lines) <= 5 and all(" moved 0 " not in line for line in lines)
+    if CODE_BUG_HERE and ids == (hook.SHIM.id,):
+        assert len(lines) == 4, lines  # every move between devices left the code table behind; not the dtype move
 
 
 def test_a_model_move_outside_a_pipeline_is_swept_and_logged(checkpoint, shims, caplog):

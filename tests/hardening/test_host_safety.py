@@ -1,0 +1,291 @@
+"""What the layer loads, reads or wraps cannot kill, hang or flood the host process.
+
+Each probe runs in a fresh interpreter with ``DEVMAP_SHIMS=1`` (auto-enable through the ``.pth``
+file) or with ``install()`` called from code, against a plugin distribution written here that
+misbehaves on purpose, and checks that the process finishes, exits 0 and keeps its streams.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from devmap_shims.shims import plugins
+
+EVIL_PLUGIN = '''
+import os, sys, time
+
+MODE = os.environ.get("EVIL_MODE", "")
+if os.environ.get("EVIL_MARKER"):
+    open(os.environ["EVIL_MARKER"], "w").close()
+if MODE == "import-exit":
+    raise SystemExit(3)
+if MODE == "import-interrupt":
+    raise KeyboardInterrupt
+
+
+def shims():
+    if MODE == "shims-exit":
+        raise SystemExit(4)
+    if MODE == "shims-interrupt":
+        raise KeyboardInterrupt
+    if MODE == "hang":
+        time.sleep(1000)
+    if MODE == "print":
+        sys.stdout.write("x" * 5_000_000)
+        sys.stderr.write("y" * 1000)
+    return []
+
+
+def rows():
+    if MODE == "rows-exit":
+        raise SystemExit(5)
+    return []
+'''
+
+
+@pytest.fixture
+def evil(tmp_path):
+    """A plugin distribution ``evil-plugin`` on PYTHONPATH; ``run(code, mode, **env)`` runs code."""
+    site = tmp_path / "site"
+    (site / "evilplug").mkdir(parents=True)
+    (site / "evilplug" / "__init__.py").write_text(textwrap.dedent(EVIL_PLUGIN))
+    dist = site / "evil_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: evil-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[devmap_shims.shims]\nevil = evilplug:shims\n\n[devmap_shims.matrix]\nevil = evilplug:rows\n"
+    )
+    (site / "torch").mkdir()  # a stand-in for the first target library a program imports
+    (site / "torch" / "__init__.py").write_text("")
+
+    def run(code, mode="", timeout=60, **env_extra):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
+        env.update(EVIL_MODE=mode, PYTHONPATH=os.pathsep.join([str(site)] + sys.path), **env_extra)
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                              timeout=timeout, cwd=tmp_path)
+        proc.seconds = time.monotonic() - start
+        return proc
+
+    return run
+
+
+STATUS = "import devmap_shims, torch; st = devmap_shims.status(); print('ALIVE', st['installed'])"
+
+
+@pytest.mark.parametrize("mode", ["import-exit", "import-interrupt", "shims-exit", "shims-interrupt", "rows-exit"])
+def test_a_plugin_that_raises_systemexit_or_keyboardinterrupt_is_skipped(evil, mode):
+    at_start = evil(STATUS, mode, DEVMAP_SHIMS="1", DEVMAP_SHIMS_PLUGINS="evil-plugin")
+    assert at_start.returncode == 0 and "ALIVE True" in at_start.stdout, at_start.stderr[-2000:]
+    assert "plugin evil-plugin" in at_start.stderr and ("SystemExit" in at_start.stderr or "KeyboardInterrupt" in at_start.stderr)
+    in_code = evil("import devmap_shims; devmap_shims.install(); print('ALIVE', devmap_shims.is_installed())", mode)
+    assert in_code.returncode == 0 and "ALIVE True" in in_code.stdout, in_code.stderr[-2000:]
+
+
+def test_a_hanging_plugin_costs_its_budget_once_and_is_named(evil):
+    proc = evil(STATUS, "hang", DEVMAP_SHIMS="1", DEVMAP_SHIMS_PLUGINS="*", timeout=120)
+    assert proc.returncode == 0 and "ALIVE True" in proc.stdout, proc.stderr[-2000:]
+    assert proc.seconds < plugins.LOAD_BUDGET * 2 + 20
+    assert f"still running after {plugins.LOAD_BUDGET:g} s" in proc.stderr and "evil-plugin" in proc.stderr
+
+
+def test_what_a_plugin_prints_stays_out_of_the_hosts_streams(evil):
+    proc = evil("import devmap_shims; devmap_shims.install(); print('ALIVE')", "print")
+    assert proc.returncode == 0 and proc.stdout == "ALIVE\n"
+    assert len(proc.stderr) < 5000 and "printed 5001000 characters" in proc.stderr
+
+
+def test_at_start_up_only_the_plugins_the_operator_names_are_loaded(evil, tmp_path):
+    marker = tmp_path / "imported"
+    proc = evil(STATUS, DEVMAP_SHIMS="1", EVIL_MARKER=str(marker))
+    assert proc.returncode == 0 and "ALIVE True" in proc.stdout
+    assert not marker.exists(), "an unnamed plugin ran at start-up"
+    proc = evil(STATUS, DEVMAP_SHIMS="1", DEVMAP_SHIMS_PLUGINS="evil-plugin", EVIL_MARKER=str(marker))
+    assert proc.returncode == 0 and marker.exists()
+
+
+def test_a_named_plugin_not_on_the_path_at_start_up_is_said(evil):
+    proc = evil(STATUS, DEVMAP_SHIMS="1", DEVMAP_SHIMS_PLUGINS="later-plugin")
+    assert proc.returncode == 0 and "ALIVE True" in proc.stdout
+    assert "DEVMAP_SHIMS_PLUGINS names 'later-plugin'" in proc.stderr and "sorted after devmap_shims.pth" in proc.stderr
+
+
+# -- switches ---------------------------------------------------------------------------------------
+def test_the_kill_switch_beats_run(evil):
+    code = "import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-m', 'devmap_shims', 'run', '--', sys.executable, '-c', 'import os, devmap_shims; print(os.environ[\"DEVMAP_SHIMS\"], devmap_shims.is_installed())']))"
+    proc = evil(code, DEVMAP_SHIMS="0")
+    assert proc.returncode == 0 and proc.stdout.split() == ["0", "False"], proc.stderr
+    assert proc.stderr.count("kill switch") == 1
+
+
+@pytest.mark.parametrize("command, code", [(["no-such-command-xyz"], 127), (["/etc/passwd"], 126)])
+def test_run_of_a_missing_or_unexecutable_command_exits_like_a_shell(command, code):
+    from devmap_shims.cli import main
+
+    assert main(["run", "--", *command]) == code
+
+
+def test_strict_mode_at_start_up_is_one_line_and_no_shims(evil):
+    proc = evil("import devmap_shims; print('ALIVE', devmap_shims.is_installed())",
+                DEVMAP_SHIMS="1", DEVMAP_SHIMS_STRICT="1", DEVMAP_SHIMS_DISABLE="no-such-shim")
+    assert proc.returncode == 0 and proc.stdout.split() == ["ALIVE", "False"]
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "strict mode" in lines[0] and "no-such-shim" in lines[0], proc.stderr
+
+
+def test_unknown_ids_are_warned_once_each_and_long_values_are_cut(evil):
+    long_id = "z" * 10_000
+    proc = evil("import devmap_shims; devmap_shims.install(); devmap_shims.install(strict=True); print('ALIVE')",
+                DEVMAP_SHIMS_DISABLE=f"no-such-shim,{long_id}")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("no-such-shim") == 1 and "install(exclude" not in proc.stderr
+    assert len(proc.stderr) < 3000 and "(10000 characters)" in proc.stderr
+
+
+def test_warnings_stay_bounded():
+    from devmap_shims.shims.registry import MAX_WARNINGS, Registry
+
+    registry = Registry()
+    for i in range(20_000):
+        registry.warn(f"problem {i % 5000}")
+    # the first MAX_WARNINGS messages are kept (their repeats ignored); the others only counted
+    assert len(registry.warnings) == MAX_WARNINGS and registry.warnings_dropped == 20_000 - 4 * MAX_WARNINGS
+
+
+def test_log_lines_print_once_when_the_program_configured_logging(evil):
+    code = ("import logging; logging.basicConfig(); import devmap_shims; "
+            "devmap_shims.install(exclude=['nope'])")
+    proc = evil(code, DEVMAP_SHIMS_LOG="info")
+    assert proc.returncode == 0
+    lines = [line for line in proc.stderr.splitlines() if "names unknown shim 'nope'" in line]
+    assert len(lines) == 1 and "devmap_shims: devmap_shims:" not in lines[0], proc.stderr
+
+
+# -- pytest -------------------------------------------------------------------------------------------
+def test_pytest_with_warnings_as_errors_runs_with_the_shims_enabled(tmp_path):
+    (tmp_path / "test_one.py").write_text("def test_one():\n    assert 1\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
+    env["DEVMAP_SHIMS"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-W", "error", "-q", "-p", "no:cacheprovider", "test_one.py"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+# -- wrapping while the program runs -------------------------------------------------------------------
+SLOW_LIBRARY = '''
+import time
+time.sleep(1.5)  # importing takes a while: install() comes in the middle of it
+
+
+def compute(x):
+    return x * 2
+'''
+
+
+@pytest.fixture
+def fresh_engine(tmp_path, monkeypatch):
+    from devmap_shims.shims.engine import ENGINE
+
+    for name in [n for n in os.environ if n.startswith("DEVMAP_SHIMS")]:
+        monkeypatch.delenv(name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ENGINE.reset()
+    yield ENGINE
+    ENGINE.reset()
+    for name in [n for n in sys.modules if n.startswith(("slowlib", "plainlib"))]:
+        del sys.modules[name]
+
+
+def _fix(module: str, bug: str = "race-bug"):
+    from devmap_shims import Shim, Target
+
+    row = dict(id=bug, title="t", library="x", affected={"wrapt": ">=0"}, fixed_in="unfixed", last_checked="2026-11-01",
+               symptom="s", root_cause="r", upstream=["a/b#1"], verification=["I"], workaround="w")
+    shim = Shim("add-one", (bug,), (Target(module, "compute"),),
+                lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs) + 1)
+    return shim, [row]
+
+
+def test_install_while_another_thread_imports_the_target_still_wraps_it(tmp_path, fresh_engine):
+    import threading
+
+    (tmp_path / "slowlib.py").write_text(SLOW_LIBRARY)
+    importer = threading.Thread(target=__import__, args=("slowlib",))
+    importer.start()
+    deadline = time.monotonic() + 10
+    while "slowlib" not in sys.modules and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "slowlib" in sys.modules and importer.is_alive(), "the import should still be running"
+    fresh_engine.register(*_fix("slowlib"))
+    fresh_engine.install(only=["add-one"])
+    importer.join()
+    state = None
+    while time.monotonic() < deadline:
+        state = next(s for s in fresh_engine.status()["shims"] if s["id"] == "add-one")["state"]
+        if state == "active":
+            break
+        time.sleep(0.05)
+    assert state == "active"
+    assert sys.modules["slowlib"].compute(3) == 7
+
+
+def test_a_fork_while_the_registry_lock_is_held_leaves_the_child_working(tmp_path):
+    if not hasattr(os, "fork"):
+        pytest.skip("needs os.fork")
+    script = textwrap.dedent("""
+        import os, signal, sys, threading, time
+        import devmap_shims
+        from devmap_shims.shims.engine import ENGINE
+        devmap_shims.install()
+        held = threading.Event()
+        def hold():
+            with ENGINE.registry.lock:
+                held.set()
+                time.sleep(30)
+        threading.Thread(target=hold, daemon=True).start()
+        held.wait()
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)
+            devmap_shims.uninstall(); devmap_shims.install()
+            print("CHILD", len(devmap_shims.status()["shims"]), flush=True)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("PARENT", os.waitstatus_to_exitcode(status), flush=True)
+        os._exit(0)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert "PARENT 0" in proc.stdout and "CHILD" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_layer_captured_by_a_foreign_wrapper_is_switched_off_and_a_new_install_adds_one(tmp_path, fresh_engine):
+    (tmp_path / "plainlib.py").write_text("def compute(x):\n    return x * 2\n")
+    import plainlib
+
+    class Tracer:  # a foreign wrapper that keeps our layer where nobody can see it
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __call__(self, *args):
+            return self._inner(*args)
+
+    fresh_engine.register(*_fix("plainlib"))
+    fresh_engine.install(only=["add-one"])
+    plainlib.compute = Tracer(plainlib.compute)
+    assert plainlib.compute(3) == 7
+    fresh_engine.uninstall()
+    assert plainlib.compute(3) == 6, "the captured layer must stop repairing"
+    assert any("switched off" in w for w in fresh_engine.registry.warnings)
+    fresh_engine.install(only=["add-one"])
+    assert plainlib.compute(3) == 7, "one repair, not two"

@@ -15,6 +15,9 @@ Rows (generated from known_bugs.toml by scripts/regenerate.py):
     generate-input-device-type-warning
         affected: transformers >=4.24.0,<5.13.0
         fixed in: transformers 5.13.0
+    transformers-generate-mask-device
+        affected: transformers >=4.38.0
+        fixed in: unfixed (last checked 2026-11-24)
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from devmap_shims.scenarios import scenario
 from devmap_shims.shims import LazyLogger, Shim, Target
 
 BUG_ID = "generate-input-device-type-warning"
+MASK_BUG = "transformers-generate-mask-device"
 
 logger = LazyLogger(__name__)
 
@@ -149,7 +153,7 @@ def to_device(result: Any, device: Any, depth: int = 0) -> Any:
 
 SHIM = Shim(
     id="generate-input-device",
-    fixes=(BUG_ID,),
+    fixes=(BUG_ID, MASK_BUG),
     targets=(Target("transformers.generation.utils", "GenerationMixin.generate"),),
     wrapper=align_generate_inputs,
     more_targets="devmap_shims.hooks.transformers._generate_overrides:override_targets",
@@ -188,3 +192,30 @@ def inputs_on_cuda0_model_on_cuda1() -> str:
         )
         where = f"model on {model.device}, inputs on {inputs['input_ids'].device}, output on {out.device}"
         return same_tokens(out[:, ids.shape[-1]:], reference, where)
+
+
+@scenario(
+    MASK_BUG,
+    "model on cuda:1 with no accelerate hooks, input_ids on cuda:1, attention_mask left on the CPU",
+    needs=("torch", "transformers", "accelerate"),
+)
+def mask_left_on_the_cpu() -> str:
+    """A Llama (its rotary embedding multiplies by position_ids on every release since 4.38) whose
+    inputs were moved by hand, the mask forgotten."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from devmap_shims.scenarios.checkpoints import cpu_greedy_tokens, same_tokens, tiny_checkpoint
+    from devmap_shims.testing import simulated_gpus
+    from devmap_shims.testing.models import PAD_ID, sample_input_ids
+
+    path = tiny_checkpoint("llama", "gen")
+    reference = cpu_greedy_tokens(path, NEW_TOKENS)
+    ids = sample_input_ids()
+    with simulated_gpus(2, memory=GPU_MEMORY), torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(path, device_map={"": 1})
+        out = model.generate(
+            ids.to("cuda:1"), attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID,
+        )
+        return same_tokens(out[:, ids.shape[-1]:], reference, "input_ids on cuda:1, attention_mask on the cpu")

@@ -94,6 +94,14 @@ class _OriginalCall:
             raise
         return self.result
 
+    @property
+    def __signature__(self) -> Any:
+        # inspect.signature would otherwise read the forwarded __code__ and, for a bound method,
+        # count its ``self``: a repair reading arguments by position would be off by one.
+        import inspect
+
+        return inspect.signature(self.wrapped)
+
     def __getattr__(self, name: str) -> Any:
         # Look like the original to the repair (inspect.signature, __wrapped__, __self__ ...).
         # Own slots are never delegated: tracers such as Dynamo probe them before __init__ ran.

@@ -334,3 +334,22 @@ def test_shim_error_from_a_repair_passes_through_unchanged(fake_stack):
 
     with pytest.raises(ShimError, match="^refused on purpose$"):
         fakelib.core.compute(3)
+
+
+def test_a_method_repair_reads_positional_arguments_by_name(fake_stack):
+    """The original a method's repair gets is bound: its signature has no ``self``, so reading
+    ``device`` by name finds the first positional argument, not the second."""
+    from devmap_shims.calls import argument, bind
+
+    seen = []
+
+    def read(wrapped, instance, args, kwargs):
+        seen.append((argument(wrapped, "device", args, kwargs), bind(wrapped, args, kwargs)))
+        return wrapped(*args, **kwargs)
+
+    register_fake(target="Thing.to", wrapper=read)
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    fakelib.core.Thing("cpu").to("cuda:1")
+    assert seen == [((True, "cuda:1"), {"device": "cuda:1", "copy": False})]

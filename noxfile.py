@@ -30,6 +30,9 @@ PYTHONS = ("3.9", "3.10", "3.11", "3.12", "3.13")
 STACKS = ("current", "legacy-2024", "mid-2025", "late-2025", "legacy-2023")
 #: (session, lock file, Python): stacks run on another Python than PYTHON.
 OTHER_PYTHON_STACKS = (("legacy-2024-py3.10", "legacy-2024-py3.10", "3.10"),)
+#: (session, matrix rows): a full stack with one pin changed, for rows whose range holds only that
+#: release; it runs those rows' scenarios and the shim contract, not the whole suite.
+POINT_STACKS = (("point-accelerate-1.2.0", ("accelerate-infer-map-maxmem-none",)),)
 ENGINE_TESTS = (
     "tests/engine", "tests/hardening", "tests/test_compat_matrix.py", "tests/test_versions.py",
     "tests/test_shim_contract.py",
@@ -37,6 +40,7 @@ ENGINE_TESTS = (
 
 nox.options.sessions = (
     [f"engine-{version}" for version in PYTHONS] + list(STACKS) + [name for name, _, _ in OTHER_PYTHON_STACKS]
+    + [name for name, _ in POINT_STACKS]
 )
 
 
@@ -82,6 +86,19 @@ def _stack_session(name: str, lock: str, version: str):
     return run
 
 
+def _point_session(name: str, rows: tuple):
+    @nox.session(name=name, python=interpreter(PYTHON))
+    def run(session: nox.Session) -> None:
+        _install_stack(session, name)
+        selection = " or ".join(rows + ("test_shim_contract",))
+        _pytest(session, name, "tests/scenarios/test_matrix_rows.py", "tests/test_shim_contract.py", "-k", selection)
+
+    run.__doc__ = f"stacks/{name}.txt: the scenarios of {', '.join(rows)} and the shim contract."
+    return run
+
+
+for _name, _rows in POINT_STACKS:
+    globals()[f"session_{_name.replace('-', '_').replace('.', '_')}"] = _point_session(_name, _rows)
 for _version in PYTHONS:
     globals()[f"session_engine_{_version.replace('.', '_')}"] = _engine_session(_version)
 for _name, _lock, _version in tuple((s, s, PYTHON) for s in STACKS) + OTHER_PYTHON_STACKS:
@@ -94,7 +111,8 @@ def lock(session: nox.Session) -> None:
     platform = ("--python-platform", "x86_64-manylinux_2_28")
     session.run("uv", "pip", "compile", "-q", "--universal", "--python-version", PYTHONS[0], "stacks/test.in",
                 "-o", "stacks/test.txt", external=True)
-    for name, lock_name, version in tuple((s, s, PYTHON) for s in STACKS) + OTHER_PYTHON_STACKS:
+    stacks = tuple((s, s, PYTHON) for s in STACKS) + OTHER_PYTHON_STACKS + tuple((s, s, PYTHON) for s, _ in POINT_STACKS)
+    for name, lock_name, version in stacks:
         source = f"stacks/{name.split('-py')[0]}.in"
         session.run("uv", "pip", "compile", "-q", "--python-version", version, *platform, source,
                     "-o", f"stacks/{lock_name}.txt", external=True)

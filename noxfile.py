@@ -32,7 +32,10 @@ STACKS = ("current", "legacy-2024", "mid-2025", "late-2025", "legacy-2023")
 OTHER_PYTHON_STACKS = (("legacy-2024-py3.10", "legacy-2024-py3.10", "3.10"),)
 #: (session, matrix rows): a full stack with one pin changed, for rows whose range holds only that
 #: release; it runs those rows' scenarios and the shim contract, not the whole suite.
-POINT_STACKS = (("point-accelerate-1.2.0", ("accelerate-infer-map-maxmem-none",)),)
+POINT_STACKS = (
+    ("point-accelerate-1.2.0", ("accelerate-infer-map-maxmem-none",)),
+    ("point-transformers-4.44.0", ("transformers-static-cache-multigpu",)),
+)
 ENGINE_TESTS = (
     "tests/engine", "tests/hardening", "tests/test_compat_matrix.py", "tests/test_versions.py",
     "tests/test_shim_contract.py",

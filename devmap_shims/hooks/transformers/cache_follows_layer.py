@@ -1,0 +1,100 @@
+"""Shim ``cache-follows-layer``: a layer's static-cache tensors follow the device of that layer's
+key/value states.
+
+Before ``StaticCache.update`` writes layer *i*'s new keys and values, the wrapper moves that layer's
+cached tensors to the device of ``key_states`` if they are elsewhere (once: afterwards they are
+there), which is what transformers 4.44.1 does inside ``update``. A cache whose layout it does not
+know (no ``key_cache`` list) is left to the library.
+
+Rows (generated from known_bugs.toml by scripts/regenerate.py):
+    transformers-static-cache-multigpu
+        affected: transformers >=4.41.0,<4.44.1
+        fixed in: transformers 4.44.1
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, Tuple
+
+from devmap_shims.calls import argument
+from devmap_shims.scenarios import BugObserved, scenario
+from devmap_shims.shims import Shim, Target
+
+STATIC_BUG = "transformers-static-cache-multigpu"
+
+
+def move_layer_cache(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """``StaticCache.update`` with layer ``layer_idx``'s cache on the device of ``key_states``."""
+    _, key_states = argument(wrapped, "key_states", args, kwargs)
+    _, layer_idx = argument(wrapped, "layer_idx", args, kwargs)
+    keys = getattr(instance, "key_cache", None)
+    values = getattr(instance, "value_cache", None)
+    if (
+        isinstance(layer_idx, int) and isinstance(keys, list) and isinstance(values, list)
+        and 0 <= layer_idx < min(len(keys), len(values)) and hasattr(key_states, "device")
+    ):
+        device = key_states.device
+        if keys[layer_idx].device != device:
+            keys[layer_idx] = keys[layer_idx].to(device)
+        if values[layer_idx].device != device:
+            values[layer_idx] = values[layer_idx].to(device)
+    return wrapped(*args, **kwargs)
+
+
+SHIM = Shim(
+    id="cache-follows-layer",
+    fixes=(STATIC_BUG,),
+    targets=(
+        Target("transformers.cache_utils", "StaticCache.update", expect_params=("key_states", "layer_idx"),
+               wrapper=move_layer_cache),
+    ),
+    summary="move a layer's static-cache tensors to the device of its key/value states before writing them",
+)
+
+
+# -- scenario ---------------------------------------------------------------------------------------
+NEW_TOKENS = 6
+
+
+def _split_checkpoint_and_reference() -> Any:
+    """A tiny Llama, its two-GPU split and its greedy tokens on the CPU with a static cache."""
+    from devmap_shims.scenarios.checkpoints import once, tiny_checkpoint
+
+    def make() -> Any:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from devmap_shims.testing.models import PAD_ID, sample_input_ids, two_gpu_split
+
+        path = tiny_checkpoint("llama", "static-cache")
+        model = AutoModelForCausalLM.from_pretrained(path)
+        ids = sample_input_ids()
+        with torch.no_grad():
+            tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                                    cache_implementation="static", pad_token_id=PAD_ID)
+        return path, two_gpu_split(model), tokens[:, ids.shape[-1]:]
+
+    return once("static-cache", make)
+
+
+@scenario(STATIC_BUG, "a tiny Llama split over two GPUs generates with cache_implementation='static'",
+          needs=("torch", "transformers", "accelerate"))
+def static_cache_on_a_split_model() -> str:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from devmap_shims.scenarios.checkpoints import same_tokens
+    from devmap_shims.testing import simulated_gpus
+    from devmap_shims.testing.models import PAD_ID, sample_input_ids
+
+    path, device_map, reference = _split_checkpoint_and_reference()
+    if len(set(device_map.values())) < 2:
+        raise BugObserved(f"the scenario needs a split model, got {device_map}")
+    ids = sample_input_ids()
+    with simulated_gpus(2, memory="2GiB"), torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(path, device_map=device_map)
+        out = model.generate(ids.to("cuda:0"), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                             cache_implementation="static", pad_token_id=PAD_ID)
+        return same_tokens(out[:, ids.shape[-1]:], reference, "split over cuda:0 and cuda:1 with a static cache")

@@ -215,5 +215,13 @@ def check_mixed(
         name = getattr(func, "__name__", "")
         first_is_output = name.endswith("_") and not name.endswith("__")
         common = check_ti(ts, real_keys, first_is_output)
-    skip = {_storage_id(t) for t, k in zip(ts, keys) if k is None} or None
-    return (common if isinstance(common, int) else None), skip
+    skip = {sid for t, k in zip(ts, keys) if k is None for sid in (_storage_id_or_none(t),) if sid is not None}
+    return (common if isinstance(common, int) else None), skip or None
+
+
+def _storage_id_or_none(t: Any) -> Any:
+    """The storage key of ``t``; None for tensors without a storage (vmap's batched tensors)."""
+    try:
+        return _storage_id(t)
+    except (RuntimeError, TypeError):  # NotImplementedError: "Cannot access storage of BatchedTensorImpl"
+        return None

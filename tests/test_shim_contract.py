@@ -391,6 +391,9 @@ def stand_in(target: Target, index: int):
     module = types.ModuleType(f"devmap_contract_stand_in_{index}")
 
     def stub(*args, **kwargs):
+        if parts[-1] == "__init__":  # a constructor returns None: what it made is the instance's state
+            args[0].made = SENTINEL
+            return None
         return SENTINEL
 
     if len(parts) == 1:
@@ -402,7 +405,10 @@ def stand_in(target: Target, index: int):
 
 
 def call_stand_in(module, qualname: str):
+    """What the stand-in gave: its result, or for a constructor what it set on the new instance."""
     owner, _, name = qualname.rpartition(".")
+    if name == "__init__":
+        return getattr(module, owner)().made
     return getattr(getattr(module, owner)() if owner else module, name)()
 
 
@@ -413,7 +419,8 @@ def test_a_repair_that_raises_gives_the_original_result_one_warning_and_state_fa
     calls = []
 
     def broken(wrapped, instance, args, kwargs):
-        calls.append(wrapped(*args, **kwargs))
+        result = wrapped(*args, **kwargs)
+        calls.append(getattr(instance, "made", None) if result is None else result)  # __init__: see stand_in
         raise RuntimeError("repair broke")
 
     modules = [stand_in(t, i) for i, t in enumerate(shim.targets)]

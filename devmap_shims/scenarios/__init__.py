@@ -74,6 +74,17 @@ def import_before_simulation(*names: str) -> None:
             raise ScenarioUnavailable(f"{name} cannot be imported here ({exc})") from exc
 
 
+def unavailable_where(row_id: str) -> None:
+    """ScenarioUnavailable when matrix row ``row_id`` applies to the installed versions: another bug
+    on the same path fails first there, so this scenario proves nothing about its own row."""
+    from devmap_shims.compat_matrix import load_matrix
+    from devmap_shims.versions import installed_versions
+
+    matrix = load_matrix()
+    if matrix.get(row_id).applies(installed_versions(matrix.distributions())):
+        raise ScenarioUnavailable(f"this stack fails first on {row_id} (see `devmap-shims explain {row_id}`)")
+
+
 def all_scenarios() -> Dict[str, List[Scenario]]:
     """Every registered scenario by row id: the built-in shims' modules are imported (not the
     target libraries), and so are plugin modules that were imported before."""
@@ -83,4 +94,7 @@ def all_scenarios() -> Dict[str, List[Scenario]]:
     return {bug_id: list(items) for bug_id, items in _SCENARIOS.items()}
 
 
-__all__ = ["BugObserved", "Scenario", "ScenarioUnavailable", "all_scenarios", "import_before_simulation", "scenario"]
+__all__ = [
+    "BugObserved", "Scenario", "ScenarioUnavailable", "all_scenarios", "import_before_simulation", "scenario",
+    "unavailable_where",
+]

@@ -10,6 +10,7 @@ which needs no kernel::
     param = params4bit(weight, device="cuda:0")            # Params4bit.from_prequantized
     layer = linear4bit(torch.nn.Linear(64, 64), "cuda:0")  # a bnb Linear4bit holding it
     save_prequantized_flux_transformer(path)               # a pre-quantized diffusers checkpoint
+    save_prequantized_transformers_model(model, path)      # a pre-quantized transformers checkpoint
 
 Layout (bitsandbytes' ``quantize_4bit``): the weight is flattened and cut into blocks of
 ``blocksize`` values; each block is scaled by the reciprocal of its absolute maximum (``absmax``,
@@ -255,9 +256,23 @@ def save_prequantized_flux_transformer(
     with seeded(component_seed):
         model = build_tiny_flux_transformer(True)
     reinit_weights(model, component_seed, embedding_std=1.0)
+    tensors = prequantized_state_dict(model.state_dict(), model, blocksize, compress_statistics)
+    save_file(tensors, str(path / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+    model.save_config(path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = _bnb_config_dict(compute_dtype, compress_statistics)
+    (path / "config.json").write_text(json.dumps(config, indent=2, default=_json_default))
+    return path
+
+
+def prequantized_state_dict(
+    state: Dict[str, torch.Tensor], model: torch.nn.Module, blocksize: int, compress_statistics: bool,
+) -> Dict[str, torch.Tensor]:
+    """``state`` with the weight of every ``nn.Linear`` of ``model`` packed to NF4 and followed by
+    its ``weight.*`` quant-state entries, as bitsandbytes serializes a 4-bit model."""
     linears = {name for name, m in model.named_modules() if type(m) is torch.nn.Linear}
     tensors: Dict[str, torch.Tensor] = {}
-    for key, value in model.state_dict().items():
+    for key, value in state.items():
         owner, _, leaf = key.rpartition(".")
         if owner in linears and leaf == "weight":
             packed, stats = prequantized_stats(value, blocksize=blocksize, compress_statistics=compress_statistics)
@@ -265,10 +280,39 @@ def save_prequantized_flux_transformer(
             tensors.update({f"{key}.{k}": v.contiguous() for k, v in stats.items()})
         else:
             tensors[key] = value.detach().contiguous()
-    save_file(tensors, str(path / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
-    model.save_config(path)
+    return tensors
+
+
+def save_prequantized_transformers_model(
+    model: torch.nn.Module,
+    path: "str | os.PathLike[str]",
+    *,
+    blocksize: int = 64,
+    compress_statistics: bool = True,
+    compute_dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a transformers ``model`` as a pre-quantized bitsandbytes NF4 checkpoint: every
+    ``nn.Linear`` packed (``llm_int8_skip_modules=[]``, so transformers converts them all), the
+    config with ``quantization_config``. ``type(model).from_pretrained(path)`` loads it as a 4-bit
+    model on the current GPU (a simulated one will do) without running a quantization kernel."""
+    from safetensors.torch import load_file, save_file
+    from transformers import BitsAndBytesConfig
+
+    if getattr(model, "_keep_in_fp32_modules", None):
+        raise ValueError(f"{type(model).__name__} keeps modules in float32; pick a model that has none")
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    weights = path / "model.safetensors"
+    save_file(prequantized_state_dict(load_file(str(weights)), model, blocksize, compress_statistics), str(weights),
+              metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = _bnb_config_dict(compute_dtype, compress_statistics)
+    config["quantization_config"] = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=QUANT_TYPE,
+        bnb_4bit_use_double_quant=compress_statistics,
+        bnb_4bit_compute_dtype=compute_dtype,
+        llm_int8_skip_modules=[],
+    ).to_dict()
     (path / "config.json").write_text(json.dumps(config, indent=2, default=_json_default))
     return path
 
@@ -299,9 +343,11 @@ __all__ = [
     "linear4bit",
     "nf4_code",
     "params4bit",
+    "prequantized_state_dict",
     "prequantized_stats",
     "quantize_blockwise_dynamic",
     "quantize_linears_",
     "quantize_nf4",
     "save_prequantized_flux_transformer",
+    "save_prequantized_transformers_model",
 ]

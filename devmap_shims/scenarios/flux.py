@@ -46,6 +46,20 @@ def prequantized_transformer_dir() -> str:
     return once("flux-nf4", make, os.path.isdir)
 
 
+def prequantized_text_encoder_dir(encoder: Any) -> str:
+    """``encoder`` (the CPU pipeline's CLIP text encoder) as a pre-quantized 4-bit transformers
+    checkpoint, written once per process."""
+
+    def make() -> str:
+        from devmap_shims.testing.nf4 import save_prequantized_transformers_model
+
+        path = os.path.join(scratch_dir("flux-nf4-clip"), "text_encoder")
+        save_prequantized_transformers_model(encoder, path)
+        return path
+
+    return once("flux-nf4-clip", make, os.path.isdir)
+
+
 def load_4bit_transformer(**kwargs: Any) -> Any:
     from diffusers import FluxTransformer2DModel
 

@@ -33,8 +33,10 @@ OTHER_PYTHON_STACKS = (("legacy-2024-py3.10", "legacy-2024-py3.10", "3.10"),)
 #: (session, matrix rows): a full stack with one pin changed, for rows whose range holds only that
 #: release; it runs those rows' scenarios and the shim contract, not the whole suite.
 POINT_STACKS = (
-    ("point-accelerate-1.2.0", ("accelerate-infer-map-maxmem-none",)),
-    ("point-transformers-4.44.0", ("transformers-static-cache-multigpu",)),
+    ("point-accelerate-1.2.0", ("accelerate-infer-map-maxmem-none",), ()),
+    ("point-transformers-4.44.0", ("transformers-static-cache-multigpu",), ()),
+    ("point-bitsandbytes-0.48.0", ("bnb-int8params-move-regression",),
+     ("tests/hooks/bitsandbytes/test_int8_cb_follows_data.py",)),
 )
 ENGINE_TESTS = (
     "tests/engine", "tests/hardening", "tests/test_compat_matrix.py", "tests/test_versions.py",
@@ -43,7 +45,7 @@ ENGINE_TESTS = (
 
 nox.options.sessions = (
     [f"engine-{version}" for version in PYTHONS] + list(STACKS) + [name for name, _, _ in OTHER_PYTHON_STACKS]
-    + [name for name, _ in POINT_STACKS]
+    + [name for name, _, _ in POINT_STACKS]
 )
 
 
@@ -89,19 +91,22 @@ def _stack_session(name: str, lock: str, version: str):
     return run
 
 
-def _point_session(name: str, rows: tuple):
+def _point_session(name: str, rows: tuple, hook_tests: tuple):
     @nox.session(name=name, python=interpreter(PYTHON))
     def run(session: nox.Session) -> None:
         _install_stack(session, name)
-        selection = " or ".join(rows + ("test_shim_contract",))
-        _pytest(session, name, "tests/scenarios/test_matrix_rows.py", "tests/test_shim_contract.py", "-k", selection)
+        stems = tuple(os.path.splitext(os.path.basename(path))[0] for path in hook_tests)
+        selection = " or ".join(rows + ("test_shim_contract",) + stems)
+        _pytest(session, name, "tests/scenarios/test_matrix_rows.py", "tests/test_shim_contract.py", *hook_tests,
+                "-k", selection)
 
-    run.__doc__ = f"stacks/{name}.txt: the scenarios of {', '.join(rows)} and the shim contract."
+    run.__doc__ = f"stacks/{name}.txt: the scenarios of {', '.join(rows)}, the shim contract" + (
+        f" and {', '.join(hook_tests)}" if hook_tests else "") + "."
     return run
 
 
-for _name, _rows in POINT_STACKS:
-    globals()[f"session_{_name.replace('-', '_').replace('.', '_')}"] = _point_session(_name, _rows)
+for _name, _rows, _hook_tests in POINT_STACKS:
+    globals()[f"session_{_name.replace('-', '_').replace('.', '_')}"] = _point_session(_name, _rows, _hook_tests)
 for _version in PYTHONS:
     globals()[f"session_engine_{_version.replace('.', '_')}"] = _engine_session(_version)
 for _name, _lock, _version in tuple((s, s, PYTHON) for s in STACKS) + OTHER_PYTHON_STACKS:
@@ -114,7 +119,7 @@ def lock(session: nox.Session) -> None:
     platform = ("--python-platform", "x86_64-manylinux_2_28")
     session.run("uv", "pip", "compile", "-q", "--universal", "--python-version", PYTHONS[0], "stacks/test.in",
                 "-o", "stacks/test.txt", external=True)
-    stacks = tuple((s, s, PYTHON) for s in STACKS) + OTHER_PYTHON_STACKS + tuple((s, s, PYTHON) for s, _ in POINT_STACKS)
+    stacks = tuple((s, s, PYTHON) for s in STACKS) + OTHER_PYTHON_STACKS + tuple((s, s, PYTHON) for s, _, _ in POINT_STACKS)
     for name, lock_name, version in stacks:
         source = f"stacks/{name.split('-py')[0]}.in"
         session.run("uv", "pip", "compile", "-q", "--python-version", version, *platform, source,

@@ -35,8 +35,8 @@ OTHER_PYTHON_STACKS = (("legacy-2024-py3.10", "legacy-2024-py3.10", "3.10"),)
 POINT_STACKS = (
     ("point-accelerate-1.2.0", ("accelerate-infer-map-maxmem-none",), ()),
     ("point-transformers-4.44.0", ("transformers-static-cache-multigpu",), ()),
-    ("point-bitsandbytes-0.48.0", ("bnb-int8params-move-regression",),
-     ("tests/hooks/bitsandbytes/test_int8_cb_follows_data.py",)),
+    ("point-bitsandbytes-0.48.0", ("bnb-int8params-move-regression", "bnb-int8-stats-stay-on-old-device"),
+     ("tests/hooks/bitsandbytes/test_int8_cb_follows_data.py", "tests/hooks/bitsandbytes/test_int8_state_follows_weight.py")),
 )
 ENGINE_TESTS = (
     "tests/engine", "tests/hardening", "tests/test_compat_matrix.py", "tests/test_versions.py",

@@ -1,7 +1,8 @@
 """Where the libraries' objects keep their tensors, read without importing the libraries.
 
 Shared by the shims, :func:`devmap_shims.check_devices` and the scenarios: the tensors of a
-bitsandbytes quantization state (:mod:`.quant_state`), accelerate's hooks on a module and the
+bitsandbytes quantization state (:mod:`.quant_state`), an 8-bit layer's int8 weights and scales
+(:mod:`.int8_state`), accelerate's hooks on a module and the
 device they run it on (:mod:`.accelerate_hooks`), the ``torch.Tensor`` type (:mod:`.tensors`).
 Every function imports torch on first use only.
 """

@@ -6,6 +6,9 @@ TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/r
 if TYPE_CHECKING:
     from typing import Any, List
 
+#: the methods dispatch_model guards with "You shouldn't move a model that is dispatched using accelerate hooks"
+GUARDED_METHODS = ("to", "cuda", "npu", "xpu", "mlu", "musa")
+
 
 def hooks_of(module: Any) -> List[Any]:
     """The hooks accelerate attached to ``module`` (a ``SequentialHook`` unpacked), outermost first."""
@@ -41,3 +44,21 @@ def execution_device(module: Any) -> Any:
             except (TypeError, RuntimeError, ValueError):
                 return None
     return None
+
+
+def any_offloading(model: Any) -> bool:
+    """Whether a hook anywhere in ``model`` keeps weights off their execution device."""
+    return any(is_offloading(hook) or is_model_cpu_offload(hook) for module in model.modules() for hook in hooks_of(module))
+
+
+def remove_hooks(model: Any) -> None:
+    """Remove accelerate's hooks from ``model`` and its submodules, and the ``to``/``cuda`` guards
+    ``dispatch_model`` put on the model (``remove_hook_from_module`` leaves them on accelerate
+    0.29.3; 0.34.2 drops them)."""
+    from accelerate.hooks import remove_hook_from_module
+
+    remove_hook_from_module(model, recurse=True)
+    namespace = vars(model)
+    for name in GUARDED_METHODS:
+        if hasattr(namespace.get(name), "__wrapped__"):
+            del namespace[name]

@@ -60,6 +60,35 @@ def prequantized_text_encoder_dir(encoder: Any) -> str:
     return once("flux-nf4-clip", make, os.path.isdir)
 
 
+def transformer_dir(transformer: Any) -> str:
+    """``transformer`` (the CPU pipeline's, unquantized) as a diffusers checkpoint, written once per
+    process, for loads that quantize (8-bit)."""
+
+    def make() -> str:
+        path = os.path.join(scratch_dir("flux-fp32"), "transformer")
+        transformer.save_pretrained(path)
+        return path
+
+    return once("flux-fp32", make, os.path.isdir)
+
+
+def load_8bit_transformer(path: str, **kwargs: Any) -> Any:
+    """The transformer at ``path`` quantized to 8-bit by bitsandbytes on load (diffusers puts it on
+    the current GPU)."""
+    from diffusers import BitsAndBytesConfig, FluxTransformer2DModel
+
+    return FluxTransformer2DModel.from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_8bit=True), **kwargs)
+
+
+def tiny_image(pipe: Any) -> Any:
+    """Two denoising steps of a 32x32 image with a fixed CPU generator, as a CPU tensor."""
+    import torch
+
+    generator = torch.Generator("cpu").manual_seed(0)
+    out = pipe("a cat", num_inference_steps=2, height=32, width=32, output_type="pt", generator=generator)
+    return out.images.cpu()
+
+
 def load_4bit_transformer(**kwargs: Any) -> Any:
     from diffusers import FluxTransformer2DModel
 

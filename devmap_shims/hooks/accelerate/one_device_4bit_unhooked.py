@@ -23,12 +23,11 @@ if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Tuple
 
 from devmap_shims.calls import argument
+from devmap_shims.devices.accelerate_hooks import remove_hooks
 from devmap_shims.scenarios import BugObserved, scenario
 from devmap_shims.shims import LazyLogger, Shim, Target
 
 BUG_ID = "accelerate-bnb-forced-hooks"
-#: the methods dispatch_model guards with "You shouldn't move a model that is dispatched using accelerate hooks"
-GUARDED_METHODS = ("to", "cuda", "npu", "xpu", "mlu", "musa")
 
 logger = LazyLogger(__name__)
 
@@ -70,13 +69,7 @@ def unhook_one_device_4bit(wrapped: Callable[..., Any], instance: Any, args: Tup
         and getattr(model, "quantization_method", "bitsandbytes") == "bitsandbytes" and bnb_kinds(model) == {"Params4bit"}
         and bnb_moves_4bit()
     ):
-        from accelerate.hooks import remove_hook_from_module
-
-        remove_hook_from_module(model, recurse=True)
-        namespace = vars(model)
-        for name in GUARDED_METHODS:  # remove_hook_from_module leaves them on 0.29.3 (0.34.2 drops them)
-            if hasattr(namespace.get(name), "__wrapped__"):
-                del namespace[name]
+        remove_hooks(model)
         logger.debug("dispatch_model: removed the hooks of %s, a 4-bit model on %s alone",
                      type(model).__name__, next(iter(device_map.values())))
     return result

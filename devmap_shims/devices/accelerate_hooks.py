@@ -29,20 +29,30 @@ def is_model_cpu_offload(hook: Any) -> bool:
     return type(hook).__name__ == "CpuOffload"
 
 
+def as_device(value: Any) -> Any:
+    """A hook's ``execution_device`` (an int GPU index, a string or a ``torch.device``) as a
+    ``torch.device``; None when it is None or not a device."""
+    if value is None:
+        return None
+    import torch
+
+    if isinstance(value, torch.device):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return torch.device("cuda", value)
+    try:
+        return torch.device(value)
+    except (TypeError, RuntimeError, ValueError):
+        return None
+
+
 def execution_device(module: Any) -> Any:
     """The device accelerate's hook on ``module`` runs it on (a ``torch.device``), or None when it
     has no hook that says."""
     for hook in hooks_of(module):
         device = getattr(hook, "execution_device", None)
         if device is not None:
-            import torch
-
-            if isinstance(device, int) and not isinstance(device, bool):
-                return torch.device("cuda", device)
-            try:
-                return torch.device(device)
-            except (TypeError, RuntimeError, ValueError):
-                return None
+            return as_device(device)
     return None
 
 

@@ -51,3 +51,59 @@ def generate_on_a_split_model() -> str:
         out = model.generate(ids.to("cuda:0"), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
                              cache_implementation="static", pad_token_id=PAD_ID)
         return same_tokens(out[:, ids.shape[-1]:], reference, "split over cuda:0 and cuda:1 with a static cache")
+
+
+def _split_map(model: Any) -> Any:
+    """:func:`two_gpu_split` with ``lm_head`` beside the embedding it is tied to (Gemma-2 ties them;
+    accelerate keeps tied weights on one device)."""
+    from devmap_shims.testing.models import two_gpu_split
+
+    device_map = two_gpu_split(model)
+    if getattr(model.config, "tie_word_embeddings", False):
+        device_map["lm_head"] = device_map["model.embed_tokens"]
+    return device_map
+
+
+def forward_on_a_split_model(arch: str) -> str:
+    """A plain ``model(input_ids)`` (eval mode, the model builds its own cache) of a tiny ``arch``
+    split over cuda:0 and cuda:1; the summary when the logits equal the CPU's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from devmap_shims.scenarios.checkpoints import tiny_checkpoint
+    from devmap_shims.testing import simulated_gpus
+    from devmap_shims.testing.models import sample_input_ids
+
+    path = tiny_checkpoint(arch, "split-forward")
+    cpu = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = sample_input_ids()
+    with torch.no_grad():
+        reference = cpu(ids).logits
+    device_map = _split_map(cpu)
+    with simulated_gpus(2, memory="2GiB"), torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(path, device_map=device_map).eval()
+        logits = model(ids.to("cuda:0")).logits.cpu()
+    if not torch.allclose(logits, reference, atol=1e-5):
+        raise BugObserved(f"logits differ from the CPU's by {(logits - reference).abs().max():.3g}")
+    return f"{arch} split over cuda:0 and cuda:1: model(input_ids) gives the CPU's logits"
+
+
+def generate_with_a_user_static_cache() -> str:
+    """``generate(past_key_values=StaticCache(..., device="cuda:0"))`` on the tiny Llama split over
+    cuda:0 and cuda:1; the summary when the tokens equal the CPU's."""
+    import torch
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    from devmap_shims.scenarios.checkpoints import same_tokens
+    from devmap_shims.testing import simulated_gpus
+    from devmap_shims.testing.models import PAD_ID, sample_input_ids
+
+    path, device_map, reference = _split_checkpoint_and_reference()
+    ids = sample_input_ids()
+    with simulated_gpus(2, memory="2GiB"), torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(path, device_map=device_map)
+        cache = StaticCache(config=model.config, max_batch_size=ids.shape[0], max_cache_len=ids.shape[-1] + NEW_TOKENS,
+                            device="cuda:0", dtype=torch.float32)
+        out = model.generate(ids.to("cuda:0"), past_key_values=cache, max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
+    return same_tokens(out[:, ids.shape[-1]:], reference, "split over cuda:0 and cuda:1 with a StaticCache on cuda:0")

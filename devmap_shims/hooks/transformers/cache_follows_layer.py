@@ -1,15 +1,18 @@
 """Shim ``cache-follows-layer``: a layer's static-cache tensors follow the device of that layer's
 key/value states.
 
-Before ``StaticCache.update`` writes layer *i*'s new keys and values, the wrapper moves that layer's
-cached tensors to the device of ``key_states`` if they are elsewhere (once: afterwards they are
-there), which is what transformers 4.44.1 does inside ``update``. A cache whose layout it does not
-know (no ``key_cache`` list) is left to the library.
+Before ``StaticCache.update`` (and, on 4.45-4.49, ``HybridCache.update``) writes layer *i*'s new keys
+and values, the wrapper moves that layer's cached tensors to the device of ``key_states`` if they are
+elsewhere (once: afterwards they are there), which is what transformers 4.44.1 does inside
+``update``. A cache whose layout it does not know (no ``key_cache`` list) is left to the library.
 
 Rows (generated from known_bugs.toml by scripts/regenerate.py):
     transformers-static-cache-multigpu
         affected: transformers >=4.41.0,<4.44.1
         fixed in: transformers 4.44.1
+    transformers-cache-built-without-layer-map
+        affected: transformers >=4.45.0,<4.54.1
+        fixed in: transformers 4.54.1
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from devmap_shims.scenarios import scenario
 from devmap_shims.shims import Shim, Target
 
 STATIC_BUG = "transformers-static-cache-multigpu"
+CACHE_MAP_BUG = "transformers-cache-built-without-layer-map"
 
 
 def move_layer_cache(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -45,12 +49,14 @@ def move_layer_cache(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any
 
 SHIM = Shim(
     id="cache-follows-layer",
-    fixes=(STATIC_BUG,),
+    fixes=(STATIC_BUG, CACHE_MAP_BUG),
     targets=(
         Target("transformers.cache_utils", "StaticCache.update", expect_params=("key_states", "layer_idx"),
                wrapper=move_layer_cache),
+        Target("transformers.cache_utils", "HybridCache.update", expect_params=("key_states", "layer_idx"),
+               when={"transformers": ">=4.45.0,<4.50.0"}, wrapper=move_layer_cache),
     ),
-    summary="move a layer's static-cache tensors to the device of its key/value states before writing them",
+    summary="move a layer's static- or hybrid-cache tensors to the device of its key/value states before writing them",
 )
 
 
@@ -63,3 +69,28 @@ def static_cache_on_a_split_model() -> str:
     unavailable_where("transformers-static-cache-meta-init")  # 4.49 fails on its meta cache first
 
     return static_cache.generate_on_a_split_model()
+
+
+@scenario(CACHE_MAP_BUG, "a tiny Gemma-2 split over two GPUs: model(input_ids) builds its own hybrid cache",
+          needs=("torch", "transformers", "accelerate"))
+def gemma2_forward_on_a_split_model() -> str:
+    from devmap_shims.scenarios import ScenarioUnavailable, static_cache
+    from devmap_shims.testing.models import supported_archs
+    from devmap_shims.versions import installed_version, version_in
+
+    if "gemma2" not in supported_archs():
+        raise ScenarioUnavailable("this transformers cannot build Gemma-2")
+    if not version_in(installed_version("transformers") or "0", "<4.49.0"):
+        raise ScenarioUnavailable("from 4.49 the model builds its cache with the layers' devices; user-built caches remain")
+    return static_cache.forward_on_a_split_model("gemma2")
+
+
+@scenario(CACHE_MAP_BUG, "a tiny Llama split over two GPUs generates with a StaticCache the user built on cuda:0",
+          needs=("torch", "transformers", "accelerate"))
+def user_static_cache_on_a_split_model() -> str:
+    from devmap_shims.scenarios import ScenarioUnavailable, static_cache
+    from devmap_shims.versions import installed_version, version_in
+
+    if not version_in(installed_version("transformers") or "0", ">=4.45.0"):
+        raise ScenarioUnavailable("before 4.45 this is the path of transformers-static-cache-multigpu")
+    return static_cache.generate_with_a_user_static_cache()

@@ -1,0 +1,49 @@
+"""The cache-follows-layer repair, called directly around a stand-in ``update`` on simulated GPUs
+(the whole generate and forward paths are the rows' scenarios in tests/scenarios)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from devmap_shims.hooks.transformers import cache_follows_layer as hook  # noqa: E402
+
+if torch.version.cuda is None:  # pragma: no cover - the simulator needs a CUDA build of torch
+    pytest.skip("the GPU simulator needs a CUDA build of torch", allow_module_level=True)
+
+SIM = pytest.mark.simulated_gpus(n=2, memory="1GiB")
+
+
+def update(key_states, value_states, layer_idx, cache_kwargs=None):
+    return key_states.device
+
+
+def cache(device):
+    return types.SimpleNamespace(key_cache=[torch.zeros(1, device=device), torch.zeros(1, device=device)],
+                                 value_cache=[torch.zeros(1, device=device), torch.zeros(1, device=device)])
+
+
+@SIM
+def test_the_layers_tensors_move_to_the_key_states_device_once():
+    c = cache("cuda:0")
+    states = torch.ones(1, device="cuda:1")
+    assert hook.move_layer_cache(update, c, (states, states, 1), {}) == torch.device("cuda", 1)
+    assert [str(t.device) for t in c.key_cache] == ["cuda:0", "cuda:1"]
+    assert [str(t.device) for t in c.value_cache] == ["cuda:0", "cuda:1"]
+    moved = c.key_cache[1]
+    hook.move_layer_cache(update, c, (states, states, 1), {})
+    assert c.key_cache[1] is moved  # already there: not copied again
+
+
+@SIM
+def test_unknown_layouts_and_indices_are_left_to_the_library():
+    states = torch.ones(1, device="cuda:1")
+    other = types.SimpleNamespace(layers=[])
+    assert hook.move_layer_cache(update, other, (states, states, 0), {}) == torch.device("cuda", 1)
+    c = cache("cuda:0")
+    hook.move_layer_cache(update, c, (states, states, 5), {})
+    hook.move_layer_cache(update, c, (states, states, None), {})
+    assert {str(t.device) for t in c.key_cache + c.value_cache} == {"cuda:0"}

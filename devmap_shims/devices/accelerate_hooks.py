@@ -72,3 +72,11 @@ def remove_hooks(model: Any) -> None:
     for name in GUARDED_METHODS:
         if hasattr(namespace.get(name), "__wrapped__"):
             del namespace[name]
+
+
+def one_gpu(device_map: Any) -> bool:
+    """True when ``device_map`` sends everything to one device that is neither the CPU nor the disk."""
+    if not isinstance(device_map, dict) or not device_map:
+        return False
+    devices = {str(d) for d in device_map.values()}
+    return len(devices) == 1 and not devices & {"cpu", "disk", "meta"}

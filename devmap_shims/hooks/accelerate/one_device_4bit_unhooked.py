@@ -23,39 +23,14 @@ if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Tuple
 
 from devmap_shims.calls import argument
-from devmap_shims.devices.accelerate_hooks import remove_hooks
+from devmap_shims.devices.accelerate_hooks import one_gpu, remove_hooks
+from devmap_shims.devices.bnb_params import bnb_kinds, bnb_moves_4bit
 from devmap_shims.scenarios import BugObserved, scenario
 from devmap_shims.shims import LazyLogger, Shim, Target
 
 BUG_ID = "accelerate-bnb-forced-hooks"
 
 logger = LazyLogger(__name__)
-
-
-def one_gpu(device_map: Any) -> bool:
-    """True when ``device_map`` sends everything to one device that is neither the CPU nor the disk."""
-    if not isinstance(device_map, dict) or not device_map:
-        return False
-    devices = {str(d) for d in device_map.values()}
-    return len(devices) == 1 and not devices & {"cpu", "disk", "meta"}
-
-
-def bnb_kinds(model: Any) -> set:
-    """The bitsandbytes parameter classes in ``model`` (``Params4bit``, ``Int8Params``). Read from the
-    parameters: transformers sets ``is_loaded_in_4bit`` only after ``dispatch_model`` returns."""
-    try:
-        return {type(p).__name__ for p in model.parameters()} & {"Params4bit", "Int8Params"}
-    except Exception:  # not a torch module
-        return set()
-
-
-def bnb_moves_4bit() -> bool:
-    """True when the installed bitsandbytes moves 4-bit weights whole (0.43.2 and later): only then
-    may the hooks go, even where the shim is forced on outside its row."""
-    from devmap_shims.versions import installed_version, version_in
-
-    version = installed_version("bitsandbytes")
-    return version is not None and version_in(version, ">=0.43.2")
 
 
 def unhook_one_device_4bit(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

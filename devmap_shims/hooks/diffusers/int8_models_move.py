@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from devmap_shims.devices.accelerate_hooks import any_offloading, hooks_of, remove_hooks
+from devmap_shims.devices.bnb_params import bnb_moves_8bit
 from devmap_shims.devices.int8_state import align_int8_state, is_int8_linear
 from devmap_shims.scenarios import BugObserved, ScenarioUnavailable, scenario
 from devmap_shims.shims import LazyLogger, Shim, Target
@@ -40,15 +41,6 @@ BUG_ID = "diffusers-8bit-move-restriction-lifted"
 PIPELINE_WARNING = "8bit and moving it to"
 
 logger = LazyLogger(__name__)
-
-
-def bnb_moves_8bit() -> bool:
-    """True when the installed bitsandbytes moves 8-bit weights (0.48.0 and later): only then is the
-    move attempted, even where the shim is forced on outside its row."""
-    from devmap_shims.versions import installed_version, version_in
-
-    version = installed_version("bitsandbytes")
-    return version is not None and version_in(version, ">=0.48.0")
 
 
 def is_8bit_model(module: Any) -> bool:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("startup", "device_map", "pipeline_to", "generate", "simulator")
+BENCHMARKS = ("startup", "device_map", "pipeline_to", "generate", "int8", "simulator")
 
 
 def machine() -> dict:

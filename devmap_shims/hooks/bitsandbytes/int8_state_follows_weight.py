@@ -6,8 +6,8 @@ on the device its weight moved to.
 outside the parameter (``state.CB``/``state.SCB`` after the first forward, ``weight.CB``/``weight.SCB``
 before it). The next forward multiplies with the old GPU's copy: "Expected all tensors to be on the
 same device". Before ``Linear8bitLt.forward`` runs, the wrapper points ``CB`` at the weight's int8
-data and moves ``SCB`` to its device when they are elsewhere (a device comparison per call
-otherwise).
+data and moves ``SCB`` to its device when ``CB`` is elsewhere (otherwise one device comparison per
+call).
 
 Rows (generated from known_bugs.toml by scripts/regenerate.py):
     bnb-int8-stats-stay-on-old-device
@@ -21,7 +21,7 @@ TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/r
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Tuple
 
-from devmap_shims.devices.int8_state import align_int8_state, int8_state_off_device, is_int8_linear
+from devmap_shims.devices.int8_state import align_int8_state, is_int8_linear
 from devmap_shims.scenarios import BugObserved, ScenarioUnavailable, import_before_simulation, scenario
 from devmap_shims.shims import Shim, Target
 
@@ -29,8 +29,13 @@ BUG_ID = "bnb-int8-stats-stay-on-old-device"
 
 
 def realign_before_forward(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """``Linear8bitLt.forward`` with ``CB``/``SCB`` on the weight's device."""
-    if is_int8_linear(instance) and int8_state_off_device(instance):
+    """``Linear8bitLt.forward`` with ``CB``/``SCB`` on the weight's device. The healthy path reads one
+    ``CB`` and compares two devices; the full check runs only when that ``CB`` is elsewhere."""
+    weight = getattr(instance, "weight", None)
+    cb = getattr(getattr(instance, "state", None), "CB", None)
+    if cb is None:
+        cb = getattr(weight, "CB", None)
+    if cb is not None and weight is not None and cb.device != weight.device and is_int8_linear(instance):
         align_int8_state(instance)
     return wrapped(*args, **kwargs)
 
@@ -39,6 +44,7 @@ SHIM = Shim(
     id="int8-state-follows-weight",
     fixes=(BUG_ID,),
     targets=(Target("bitsandbytes.nn.modules", "Linear8bitLt.forward", wrapper=realign_before_forward),),
+    compile_reachable=True,  # a module's forward: plain function layer, and no wrapt binding per call
     summary="move an 8-bit layer's int8 weights and scales to where its parent's .to() moved the weight",
 )
 

@@ -1,0 +1,81 @@
+"""Wall time the int8-state-follows-weight shim adds to each ``Linear8bitLt`` forward.
+
+An 8-bit ``Linear8bitLt`` (256 x 256, quantized on the CPU, which bitsandbytes >= 0.46 can do) runs
+one fp16 row through ``forward`` with and without the shim, interleaved in batches, reported as
+medians per call. On the healthy path the shim reads one ``CB`` and compares two devices; the layer
+is a plain function layer (no wrapt binding per call). Target: under 5 microseconds added.
+
+Run: ``python benchmarks/bench_int8.py`` (about half a minute on 2 cores).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_generate import _interleaved  # noqa: E402
+
+TARGET_US = 5.0
+
+
+def _layer() -> Any:
+    import bitsandbytes as bnb
+    import torch
+
+    torch.set_num_threads(1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        layer = bnb.nn.Linear8bitLt(256, 256, has_fp16_weights=False)
+    layer.weight = bnb.nn.Int8Params(layer.weight.data, requires_grad=False, has_fp16_weights=False)._quantize("cpu")
+    return layer
+
+
+def run(calls: int = 6000, batches: int = 20) -> List[Dict[str, Any]]:
+    import logging
+
+    import bitsandbytes
+    import torch
+
+    import devmap_shims
+    from devmap_shims.hooks.bitsandbytes import int8_state_follows_weight as hook
+    from devmap_shims.versions import version_in
+
+    logging.getLogger("devmap_shims").setLevel(logging.WARNING)
+    if not version_in(bitsandbytes.__version__, ">=0.46.0"):
+        return [{"benchmark": "Linear8bitLt forward (skipped: bitsandbytes < 0.46 has no CPU kernels)",
+                 "value": None, "unit": "us", "target": f"< {TARGET_US:g} us", "met": True}]
+    layer = _layer()
+    x = torch.randn(1, 256).half()
+
+    def call() -> Any:
+        with torch.no_grad():
+            return layer(x)
+
+    def on() -> None:
+        devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id])
+
+    def off() -> None:
+        devmap_shims.uninstall()
+
+    off()
+    plain_out = call()
+    on()
+    assert torch.equal(call(), plain_out)
+    try:
+        r: Dict[str, Any] = _interleaved(call, call, calls, batches, setup_hooked=on, setup_plain=off)
+    finally:
+        off()
+    print(f"bitsandbytes {bitsandbytes.__version__}: {r['calls_each']} calls each, unhooked {r['plain_us']:.2f} us, "
+          f"hooked {r['hooked_us']:.2f} us, added {r['added_us']:.2f} us (noise {r['noise_us']:.2f} us)")
+    return [{
+        "benchmark": "Linear8bitLt forward (256x256, CPU), int8-state-follows-weight",
+        "value": round(r["added_us"], 2), "unit": "us", "baseline": f"{r['plain_us']:.1f} us",
+        "ratio": r["hooked_us"] / r["plain_us"], "target": f"< {TARGET_US:g} us", "met": r["added_us"] < TARGET_US,
+        "calls_each": r["calls_each"], "noise_us": round(r["noise_us"], 2),
+    }]
+
+
+if __name__ == "__main__":
+    run()

@@ -97,7 +97,6 @@ def whole_generate(calls: int, batches: int) -> Dict[str, Any]:
     """``generate(max_new_tokens=1)`` with and without the shim installed."""
     import torch
 
-    import devmap_shims
     from devmap_shims.hooks.transformers import generate_input_device as hook
     from devmap_shims.testing.models import sample_input_ids
 
@@ -109,8 +108,18 @@ def whole_generate(calls: int, batches: int) -> Dict[str, Any]:
         with torch.no_grad():
             return model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
 
+    return with_and_without_shim(hook.SHIM.id, call, calls, batches)
+
+
+def with_and_without_shim(shim_id: str, call: Callable[[], Any], calls: int, batches: int) -> Dict[str, float]:
+    """``call()`` with the shim ``shim_id`` forced on and with no shims, interleaved in batches; the
+    two give the same output first."""
+    import torch
+
+    import devmap_shims
+
     def on() -> None:
-        devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id])
+        devmap_shims.install(only=[shim_id], force=[shim_id])
 
     def off() -> None:
         devmap_shims.uninstall()

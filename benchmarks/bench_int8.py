@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import _interleaved  # noqa: E402
+from bench_generate import with_and_without_shim  # noqa: E402
 
 TARGET_RATIO = 1.10
 
@@ -39,7 +39,6 @@ def run(calls: int = 6000, batches: int = 20) -> List[Dict[str, Any]]:
     import bitsandbytes
     import torch
 
-    import devmap_shims
     from devmap_shims.hooks.bitsandbytes import int8_state_follows_weight as hook
     from devmap_shims.versions import version_in
 
@@ -54,20 +53,7 @@ def run(calls: int = 6000, batches: int = 20) -> List[Dict[str, Any]]:
         with torch.no_grad():
             return layer(x)
 
-    def on() -> None:
-        devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id])
-
-    def off() -> None:
-        devmap_shims.uninstall()
-
-    off()
-    plain_out = call()
-    on()
-    assert torch.equal(call(), plain_out)
-    try:
-        r: Dict[str, Any] = _interleaved(call, call, calls, batches, setup_hooked=on, setup_plain=off)
-    finally:
-        off()
+    r = with_and_without_shim(hook.SHIM.id, call, calls, batches)
     print(f"bitsandbytes {bitsandbytes.__version__}: {r['calls_each']} calls each, unhooked {r['plain_us']:.2f} us, "
           f"hooked {r['hooked_us']:.2f} us, added {r['added_us']:.2f} us (noise {r['noise_us']:.2f} us)")
     return [{

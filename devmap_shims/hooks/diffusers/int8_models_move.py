@@ -30,7 +30,7 @@ TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/r
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from devmap_shims.devices.accelerate_hooks import any_offloading, hooks_of, remove_hooks
+from devmap_shims.devices.accelerate_hooks import any_offloading, as_device, hooks_of, remove_hooks
 from devmap_shims.devices.bnb_params import bnb_moves_8bit
 from devmap_shims.devices.int8_state import align_int8_state, is_int8_linear
 from devmap_shims.scenarios import BugObserved, ScenarioUnavailable, scenario
@@ -57,7 +57,7 @@ def move_8bit_model(model: Any, device: Any) -> Any:
     """Move an 8-bit model whole: alignment hooks off, weights moved, ``Linear8bitLt`` state re-pointed."""
     import torch
 
-    if hooks_of(model) or any(hooks_of(module) for module in model.modules()):
+    if any(hooks_of(module) for module in model.modules()):  # the model itself included
         remove_hooks(model)
     torch.nn.Module.to(model, device)
     for module in model.modules():
@@ -87,12 +87,10 @@ def move_model_to(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, .
 
 def move_model_cuda(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """``ModelMixin.cuda``: an 8-bit model is moved instead of refused."""
-    if not movable(instance):
-        return wrapped(*args, **kwargs)
-    import torch
-
     index = args[0] if args else kwargs.get("device")
-    device = torch.device("cuda") if index is None else torch.device("cuda", index) if isinstance(index, int) else torch.device(index)
+    device = as_device("cuda" if index is None else index)
+    if device is None or not movable(instance):
+        return wrapped(*args, **kwargs)
     return move_8bit_model(instance, device)
 
 
@@ -105,12 +103,7 @@ def _pipeline_device(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[
     if device is None:
         device = next((a for a in args if isinstance(a, (str, torch.device))
                        or (isinstance(a, int) and not isinstance(a, bool))), None)
-    if device is None:
-        return None
-    try:
-        return torch.device(device)
-    except (TypeError, RuntimeError, ValueError):
-        return None
+    return as_device(device)
 
 
 def _drop_warning_for(class_names: List[str]) -> Callable[[Any], bool]:

@@ -35,6 +35,8 @@ OTHER_PYTHON_STACKS = (("legacy-2024-py3.10", "legacy-2024-py3.10", "3.10"),)
 POINT_STACKS = (
     ("point-accelerate-1.2.0", ("accelerate-infer-map-maxmem-none",), ()),
     ("point-transformers-4.44.0", ("transformers-static-cache-multigpu",), ()),
+    ("point-transformers-4.54.0", ("transformers-4540-cache-layers-on-last-gpu", "transformers-cache-built-without-layer-map"),
+     ("tests/hooks/transformers/test_cache_follows_layer.py",)),
     ("point-bitsandbytes-0.48.0", ("bnb-int8params-move-regression", "bnb-int8-stats-stay-on-old-device"),
      ("tests/hooks/bitsandbytes/test_int8_cb_follows_data.py", "tests/hooks/bitsandbytes/test_int8_state_follows_weight.py")),
 )

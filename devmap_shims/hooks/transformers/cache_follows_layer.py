@@ -5,6 +5,8 @@ Before ``StaticCache.update`` (and, on 4.45-4.49, ``HybridCache.update``) writes
 and values, the wrapper moves that layer's cached tensors to the device of ``key_states`` if they are
 elsewhere (once: afterwards they are there), which is what transformers 4.44.1 does inside
 ``update``. A cache whose layout it does not know (no ``key_cache`` list) is left to the library.
+On 4.54.0, where a cache is a list of layer objects, the same move wraps ``update`` of the static,
+sliding-window and chunked layers, as 4.54.1 does inside them.
 
 Rows (generated from known_bugs.toml by scripts/regenerate.py):
     transformers-static-cache-multigpu
@@ -12,6 +14,9 @@ Rows (generated from known_bugs.toml by scripts/regenerate.py):
         fixed in: transformers 4.44.1
     transformers-cache-built-without-layer-map
         affected: transformers >=4.45.0,<4.54.1
+        fixed in: transformers 4.54.1
+    transformers-4540-cache-layers-on-last-gpu
+        affected: transformers ==4.54.0
         fixed in: transformers 4.54.1
 """
 
@@ -27,6 +32,9 @@ from devmap_shims.shims import Shim, Target
 
 STATIC_BUG = "transformers-static-cache-multigpu"
 CACHE_MAP_BUG = "transformers-cache-built-without-layer-map"
+LAST_GPU_BUG = "transformers-4540-cache-layers-on-last-gpu"
+#: 4.54.0's cache layers: the one release with layer objects that do not follow their states' device
+LAYER_RELEASE = {"transformers": "==4.54.0"}
 
 
 def move_layer_cache(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -47,14 +55,36 @@ def move_layer_cache(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any
     return wrapped(*args, **kwargs)
 
 
+def move_layer_tensors(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """``StaticLayer.update`` (4.54.0) with the layer's keys and values on the device of ``key_states``."""
+    _, key_states = argument(wrapped, "key_states", args, kwargs)
+    keys = getattr(instance, "keys", None)
+    values = getattr(instance, "values", None)
+    device = getattr(key_states, "device", None)
+    if device is not None and hasattr(keys, "device") and hasattr(values, "device") and keys.device != device:
+        instance.keys = keys.to(device)
+        instance.values = values.to(device)
+        if hasattr(instance, "device"):
+            instance.device = device
+    return wrapped(*args, **kwargs)
+
+
+def _layer_target(name: str) -> Target:
+    return Target("transformers.cache_utils", f"{name}.update", expect_params=("key_states",), when=LAYER_RELEASE,
+                  wrapper=move_layer_tensors)
+
+
 SHIM = Shim(
     id="cache-follows-layer",
-    fixes=(STATIC_BUG, CACHE_MAP_BUG),
+    fixes=(STATIC_BUG, CACHE_MAP_BUG, LAST_GPU_BUG),
     targets=(
         Target("transformers.cache_utils", "StaticCache.update", expect_params=("key_states", "layer_idx"),
                wrapper=move_layer_cache),
         Target("transformers.cache_utils", "HybridCache.update", expect_params=("key_states", "layer_idx"),
                when={"transformers": ">=4.45.0,<4.50.0"}, wrapper=move_layer_cache),
+        _layer_target("StaticLayer"),
+        _layer_target("SlidingWindowLayer"),
+        _layer_target("ChunkedSlidingLayer"),
     ),
     summary="move a layer's static- or hybrid-cache tensors to the device of its key/value states before writing them",
 )
@@ -67,7 +97,7 @@ def static_cache_on_a_split_model() -> str:
     from devmap_shims.scenarios import static_cache, unavailable_where
 
     unavailable_where("transformers-static-cache-meta-init")  # 4.49 fails on its meta cache first
-
+    unavailable_where(LAST_GPU_BUG)  # 4.54.0 fails on its layers' devices: that row's scenario
     return static_cache.generate_on_a_split_model()
 
 
@@ -94,3 +124,12 @@ def user_static_cache_on_a_split_model() -> str:
     if not version_in(installed_version("transformers") or "0", ">=4.45.0"):
         raise ScenarioUnavailable("before 4.45 this is the path of transformers-static-cache-multigpu")
     return static_cache.generate_with_a_user_static_cache()
+
+
+@scenario(LAST_GPU_BUG, "a tiny Llama split over two GPUs generates with cache_implementation='static'",
+          needs=("torch", "transformers", "accelerate"))
+def static_cache_layers_on_a_split_model() -> str:
+    from devmap_shims.scenarios import static_cache, unavailable_where
+
+    unavailable_where("transformers-static-cache-meta-init")  # 4.49 fails on its meta cache first
+    return static_cache.generate_on_a_split_model()

@@ -47,3 +47,27 @@ def test_unknown_layouts_and_indices_are_left_to_the_library():
     hook.move_layer_cache(update, c, (states, states, 5), {})
     hook.move_layer_cache(update, c, (states, states, None), {})
     assert {str(t.device) for t in c.key_cache + c.value_cache} == {"cuda:0"}
+
+
+def layer_update(key_states, value_states, cache_kwargs=None):
+    return key_states.device
+
+
+@SIM
+def test_a_cache_layer_follows_its_key_states_once():
+    layer = types.SimpleNamespace(keys=torch.zeros(1, device="cuda:1"), values=torch.zeros(1, device="cuda:1"),
+                                  device=torch.device("cuda", 1))
+    states = torch.ones(1, device="cuda:0")
+    assert hook.move_layer_tensors(layer_update, layer, (states, states), {}) == torch.device("cuda", 0)
+    assert (str(layer.keys.device), str(layer.values.device), str(layer.device)) == ("cuda:0",) * 3
+    keys = layer.keys
+    hook.move_layer_tensors(layer_update, layer, (states, states), {})
+    assert layer.keys is keys  # already there: not copied again
+
+
+@SIM
+def test_a_layer_without_tensors_is_left_to_the_library():
+    states = torch.ones(1, device="cuda:0")
+    lazy = types.SimpleNamespace(keys=None, values=None)
+    hook.move_layer_tensors(layer_update, lazy, (states, states), {})
+    assert lazy.keys is None and lazy.values is None

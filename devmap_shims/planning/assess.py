@@ -12,7 +12,8 @@ A map computed for ``device_map="auto" | "balanced" | "balanced_low_0"`` is *deg
     accelerate needs to stream it back in).
 ``skipped GPU``
     a GPU that could have held the next module is left empty while a later GPU is used
-    (balanced_low_0 exempts GPU 0, which it keeps empty on purpose).
+    (balanced_low_0 exempts GPU 0, which it keeps empty on purpose; when modules are offloaded,
+    GPU 0's room is its budget less the largest offloaded block, which accelerate keeps free there).
 ``imbalanced``
     the busiest GPU holds more than ``tolerance`` (1.10) times the lower bound
     ``max(total / number of GPUs, largest unsplittable block)`` (see :func:`lower_bound` for
@@ -161,8 +162,10 @@ def assess(
             f"(a balanced split needs about {format_bytes(bound)} per GPU)"
         )
 
+    # accelerate keeps room on its main GPU (the first) to stream an offloaded block back in
+    reserve = max(u.size for u in offloaded_units) if offloaded_units else 0
     if offloaded_units:
-        necessary = unavoidable_offload(layout, budgets, max(u.size for u in offloaded_units))
+        necessary = unavoidable_offload(layout, budgets, reserve)
         if offloaded > necessary:
             problems.append(
                 f"{format_bytes(offloaded)} offloaded to CPU/disk although the GPUs' budgets leave only "
@@ -180,7 +183,8 @@ def assess(
         if loads[g] > 0 or (low_zero and g == gpus[0] and len(gpus) > 1):
             continue
         later = [h for h in gpus[i + 1:] if loads[h] > 0]
-        if later and budgets[g] >= first_unit_on[later[0]]:
+        room = budgets[g] - (reserve if i == 0 else 0)
+        if later and room >= first_unit_on[later[0]]:
             skipped.append(g)
     if skipped:
         problems.append(f"GPU {_ranges(skipped)} left empty while GPU {_ranges(used)} hold the model")

@@ -231,3 +231,18 @@ def test_supported_budgets(bad_budget):
 
     assert supported_budgets(bad_budget)
     assert supported_budgets({0: 1, 1: 2, "cpu": 3, "disk": 4}) is None
+
+
+def test_gpu0_left_empty_by_the_offload_reserve_is_not_a_skip():
+    # DeepSeek-V3-shaped: every layer (21 "GiB") is bigger than what GPU 0 has left (24 - 21) once
+    # accelerate keeps room there for streaming an offloaded layer back in
+    layout = build_layout([(f"l{i}", 21 * G) for i in range(8)])
+    budgets = gpus(4, 24 * G, cpu=1000 * G)
+    m = {"l0": 1, "l1": 2, "l2": 3, **{f"l{i}": "cpu" for i in range(3, 8)}}
+    a = assess(layout, layout.unit_devices(m), budgets)
+    assert a.skipped == [] and a.verdict in (OK, IMBALANCED), a.problems
+    assert not repair(layout, m, budgets).repaired
+    # without offload there is nothing to reserve: GPU 0 could take l0, so it is a skip
+    small = build_layout([(f"l{i}", 21 * G) for i in range(3)])
+    b = assess(small, small.unit_devices({"l0": 1, "l1": 2, "l2": 3}), budgets)
+    assert b.verdict == SKIPPED and b.skipped == [0]

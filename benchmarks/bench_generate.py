@@ -5,7 +5,7 @@ side with the unhooked call, interleaved in batches, reported as the median per 
 
 * the hook path alone: the engine's real layer (wrapt proxy, call-time guard, the repair that finds
   the input embeddings' device and checks every argument) around a stub ``generate`` that returns
-  at once, against the bare stub; >= 1000 calls each. Target: under 50 microseconds added.
+  at once, against the bare stub; >= 1000 calls each. Target: at most 5 microseconds added.
 * a whole ``generate(max_new_tokens=1)`` with the shim installed against the same call without it;
   >= 1000 calls each. The difference is within the noise of a ~ms call; it is reported, not judged.
 
@@ -22,7 +22,7 @@ import statistics
 import time
 from typing import Any, Callable, Dict, List
 
-TARGET_US = 50.0
+TARGET_US = 5.0
 
 
 def _per_call_us(call: Callable[[], Any], calls: int) -> float:
@@ -38,11 +38,12 @@ def _interleaved(plain: Callable[[], Any], hooked: Callable[[], Any], calls: int
     per_batch = max(1, calls // batches)
     plain_us: List[float] = []
     hooked_us: List[float] = []
-    for _ in range(batches):
-        setup_plain()
-        plain_us.append(_per_call_us(plain, per_batch))
-        setup_hooked()
-        hooked_us.append(_per_call_us(hooked, per_batch))
+    for batch in range(batches):
+        # alternate which side runs first, so warm-up and drift do not favour one side
+        sides = [(setup_plain, plain, plain_us), (setup_hooked, hooked, hooked_us)]
+        for setup, call, times in sides if batch % 2 == 0 else sides[::-1]:
+            setup()
+            times.append(_per_call_us(call, per_batch))
     p, h = statistics.median(plain_us), statistics.median(hooked_us)
     # spread of the unhooked batches (median absolute deviation): differences below it are noise
     noise = statistics.median(abs(x - p) for x in plain_us)
@@ -159,8 +160,8 @@ def run(calls: int = 2000, batches: int = 20) -> List[Dict[str, Any]]:
             "unit": "us",
             "baseline": f"{stub['plain_us']:.2f} us",
             "ratio": stub["hooked_us"] / stub["plain_us"],
-            "target": f"< {TARGET_US:g} us",
-            "met": stub["added_us"] < TARGET_US,
+            "target": f"<= {TARGET_US:g} us",
+            "met": stub["added_us"] <= TARGET_US,
             "calls_each": stub["calls_each"],
             "noise_us": round(stub["noise_us"], 2),
         },
@@ -182,7 +183,7 @@ def run(calls: int = 2000, batches: int = 20) -> List[Dict[str, Any]]:
     for name, r in (("hook path, stub generate", stub), ("whole generate(max_new_tokens=1)", whole)):
         print(f"{name:36}  {r['calls_each']:>10}  {r['plain_us']:>11.2f} us  {r['hooked_us']:>9.2f} us  "
               f"{r['added_us']:>8.2f} us  {r['noise_us']:>8.2f} us")
-    print(f"target: the hook path adds < {TARGET_US:g} us per call: {'met' if rows[0]['met'] else 'NOT met'}")
+    print(f"target: the hook path adds <= {TARGET_US:g} us per call: {'met' if rows[0]['met'] else 'NOT met'}")
     return rows
 
 

@@ -26,10 +26,12 @@ TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/r
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, List, Tuple
 
+import weakref
+
 from devmap_shims.devices.accelerate_hooks import execution_device
 from devmap_shims.devices.tensors import tensor_type
 from devmap_shims.scenarios import scenario
-from devmap_shims.shims import LazyLogger, Shim, Target
+from devmap_shims.shims import LazyLogger, Shim, Target, with_context
 
 BUG_ID = "generate-input-device-type-warning"
 MASK_BUG = "transformers-generate-mask-device"
@@ -50,18 +52,52 @@ MAIN_INPUTS = (
 )
 
 
-def input_embedding_device(model: Any) -> Any:
-    """Where ``model``'s input embeddings compute, or None when it cannot be told."""
+def _input_embeddings(model: Any) -> Any:
     getter = getattr(model, "get_input_embeddings", None)
     if getter is None:
         return None
     try:
-        embedding = getter()
+        return getter()
     except Exception:  # NotImplementedError on models without input embeddings
         return None
+
+
+def _remembered_embeddings(model: Any, known: Any) -> Any:
+    """``model.get_input_embeddings()``, remembered in ``known`` (model -> (parent, name, embedding))
+    for as long as ``parent._modules[name]`` still is that embedding.
+
+    transformers 4.5x resolves ``get_input_embeddings`` through several attribute lookups (about
+    18 us a call); the check of the remembered entry is one dict lookup. ``set_input_embeddings``
+    and ``resize_token_embeddings`` replace the module in its parent, which drops the entry.
+    """
+    try:
+        entry = known.get(model)
+    except TypeError:  # not weak-referenceable or not hashable: ask every time
+        return _input_embeddings(model)
+    if entry is not None:
+        parent, name, embedding = entry
+        if parent._modules.get(name) is embedding:
+            return embedding
+    embedding = _input_embeddings(model)
+    modules = getattr(model, "modules", None)
+    if embedding is None or not callable(modules):
+        return embedding
+    for parent in modules():
+        for name, child in parent._modules.items():
+            if child is embedding:
+                known[model] = (parent, name, embedding)
+                return embedding
+    return embedding
+
+
+def input_embedding_device(model: Any, known: Any = None) -> Any:
+    """Where ``model``'s input embeddings compute, or None when it cannot be told. ``known``: a
+    ``WeakKeyDictionary`` that remembers where each model keeps its input embeddings."""
+    embedding = _input_embeddings(model) if known is None else _remembered_embeddings(model, known)
     if embedding is None:
         return None
-    weight = getattr(embedding, "weight", None)
+    own = getattr(embedding, "_parameters", None)  # a torch Module's: a dict read, not Module.__getattr__
+    weight = own.get("weight") if isinstance(own, dict) else getattr(embedding, "weight", None)
     if not isinstance(weight, tensor_type()):
         parameters = getattr(embedding, "parameters", None)
         weight = next(iter(parameters()), None) if callable(parameters) else None
@@ -96,9 +132,17 @@ def _main_input(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     return None
 
 
-def align_generate_inputs(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+@with_context
+def align_generate_inputs_once_known(context: Any, wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],
+                                     kwargs: Dict[str, Any]) -> Any:
+    """The shim's wrapper: :func:`align_generate_inputs`, remembering each model's input embeddings."""
+    return align_generate_inputs(wrapped, instance, args, kwargs, known=context.state)
+
+
+def align_generate_inputs(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                          known: Any = None) -> Any:
     """Wrapper for ``generate``: align the inputs, call, give the result back on the caller's device."""
-    target = input_embedding_device(instance)
+    target = input_embedding_device(instance, known)
     if target is None or not _misplaced(args, kwargs, target):
         return wrapped(*args, **kwargs)
     main = _main_input(args, kwargs)
@@ -155,7 +199,8 @@ SHIM = Shim(
     id="generate-input-device",
     fixes=(BUG_ID, MASK_BUG),
     targets=(Target("transformers.generation.utils", "GenerationMixin.generate"),),
-    wrapper=align_generate_inputs,
+    wrapper=align_generate_inputs_once_known,
+    state=weakref.WeakKeyDictionary,
     more_targets="devmap_shims.hooks.transformers._generate_overrides:override_targets",
     summary="move generate()'s tensor inputs to the input embeddings' device (and the result back)",
 )

@@ -372,3 +372,39 @@ def test_original_errors_propagate_unchanged(model_on_cuda1, shim):
 
     with pytest.raises(ValueError, match="the library's own error"):
         hook.align_generate_inputs(broken, model_on_cuda1, (torch.tensor([[3]]),), {})
+
+
+class _CountingModel(torch.nn.Module):
+    def __init__(self, device):
+        super().__init__()
+        self.body = torch.nn.Module()
+        self.body.embed = torch.nn.Embedding(4, 2, device=device)
+        self.asked = 0
+
+    def get_input_embeddings(self):
+        self.asked += 1
+        return self.body.embed
+
+    def set_input_embeddings(self, value):
+        self.body.embed = value
+
+
+def test_remembered_embeddings_are_asked_for_once_and_dropped_when_replaced():
+    import weakref
+
+    known = weakref.WeakKeyDictionary()
+    with simulated_gpus(2, memory=GPU_MEMORY):
+        model = _CountingModel("cuda:0")
+        assert hook.input_embedding_device(model, known) == torch.device("cuda:0")
+        assert hook.input_embedding_device(model, known) == torch.device("cuda:0")
+        assert model.asked == 1, "the second call reads the remembered module"
+        model.set_input_embeddings(torch.nn.Embedding(4, 2, device="cuda:1"))  # as resize_token_embeddings does
+        assert hook.input_embedding_device(model, known) == torch.device("cuda:1")
+        assert model.asked == 2
+        model.body.embed.to("cuda:0")  # a move keeps the module: its new device is read from the weight
+        assert hook.input_embedding_device(model, known) == torch.device("cuda:0")
+    del model
+    import gc
+
+    gc.collect()
+    assert len(known) == 0, "a model that is gone leaves no entry"

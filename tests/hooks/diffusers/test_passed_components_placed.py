@@ -25,17 +25,17 @@ pytestmark = pytest.mark.simulated_gpus(n=2, memory="1GiB")
 
 def model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).requires_grad_(False)
 
 
 def devices(module):
     return sorted({str(t.device) for t in list(module.parameters()) + list(module.buffers())})
 
 
-def load(direct, components, device_map, **kwargs):
+def load(direct, components, planned, **kwargs):
     """The wrapper around a ``from_pretrained`` that returns a pipeline holding ``components``
-    with ``hf_device_map = device_map``; ``kwargs`` are the call's keyword arguments."""
-    pipe = types.SimpleNamespace(components=dict(components), hf_device_map=device_map)
+    with ``hf_device_map = planned``; ``kwargs`` are the call's keyword arguments."""
+    pipe = types.SimpleNamespace(components=dict(components), hf_device_map=planned)
     wrapper = direct(hook.SHIM, hook.place_passed_components)
     assert wrapper(lambda *a, **k: pipe, None, ("path",), kwargs) is pipe
     return pipe

@@ -216,6 +216,7 @@ def balanced_pipeline_with_a_passed_transformer() -> str:
                               f"its weights are on {found}")
         image = tiny_image(pipe)
     if not torch.allclose(image, reference, atol=1e-4):
-        raise BugObserved(f"the balanced pipeline's image differs from the CPU's by {(image - reference).abs().max():.3g}")
+        gap = (image - reference).abs().max()
+        raise BugObserved(f"the balanced pipeline's image differs from the CPU's by {gap:.3g}")
     return (f"hf_device_map {dict(pipe.hf_device_map)}: the passed transformer runs on cuda:{planned}, "
             "the image equals the CPU's")

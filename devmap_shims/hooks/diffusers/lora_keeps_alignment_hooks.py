@@ -17,8 +17,8 @@ then neither strips them nor turns offload on for them, and the wrapper puts the
 that really are offloaded (sequentially, or with model CPU offload) are seen and handled by
 diffusers as before. The copies imported by name (``diffusers.loaders.peft``,
 ``diffusers.loaders.unet``) are rebound to the wrapped function. diffusers 0.21 checks inline in
-``load_lora_weights`` (``LoraLoaderMixin`` and the five SDXL pipelines that have their own): there the
-hooks are hidden for the whole call. Not covered: ``load_textual_inversion``, and without peft the
+``load_lora_weights`` or in code it calls (``LoraLoaderMixin`` and the five SDXL pipelines that have
+their own): there the hooks are hidden for the whole call. Not covered: ``load_textual_inversion``, and without peft the
 inline check of ``UNet2DConditionLoadersMixin.load_attn_procs`` (0.22-0.28).
 
 Rows (generated from known_bugs.toml by scripts/regenerate.py):

@@ -224,3 +224,17 @@ def test_linear4bit_forward_on_a_simulated_gpu_matches_cpu():
             assert out.device == torch.device("cuda:0")
             got = real_cpu_tensor(out)
     assert torch.equal(got, expected)
+
+
+def test_diffusers_accelerator_probe_answers_cuda_inside_and_cpu_after():
+    """diffusers caches which accelerator it found (0.35-0.40 ``get_device``, 0.41+ through
+    ``TorchDeviceBackend``): a probe made before the simulation must not hide its GPUs, nor one
+    made inside it leave ``cuda`` behind."""
+    torch_utils = pytest.importorskip("diffusers.utils.torch_utils")
+    get_device = getattr(torch_utils, "get_device", None)
+    if get_device is None:
+        pytest.skip("this diffusers has no get_device")
+    assert get_device() == "cpu"
+    with simulated_gpus(1):
+        assert get_device() == "cuda"
+    assert get_device() == "cpu"

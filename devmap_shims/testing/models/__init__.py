@@ -24,7 +24,12 @@ initialisation (see :mod:`.seeding`), so they do not depend on how a given
 transformers or diffusers release initialises parameters, and they are scaled so
 that greedy decoding produces varied tokens instead of one repeated token.
 
-Causal LMs live in :mod:`.causal_lm`, Flux in :mod:`.flux`; both are re-exported here.
+A LoRA for a diffusers model, as the state dict ``load_lora_weights`` takes::
+
+    pipe.load_lora_weights(tiny_lora_state_dict(pipe.transformer))    # needs peft
+
+Causal LMs live in :mod:`.causal_lm`, Flux in :mod:`.flux`, LoRAs in :mod:`.lora`; all are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -52,9 +57,11 @@ from .flux import (
     tiny_flux_pipeline,
     tiny_flux_transformer,
 )
+from .lora import ATTENTION_PROJECTIONS, lora_target_modules, tiny_lora_state_dict
 
 __all__ = [
     "ARCHS",
+    "ATTENTION_PROJECTIONS",
     "BOS_ID",
     "EOS_ID",
     "FLUX_LATENT_CHANNELS",
@@ -63,6 +70,7 @@ __all__ = [
     "UnsupportedArchError",
     "flux_unavailable",
     "greedy_generate",
+    "lora_target_modules",
     "sample_input_ids",
     "save_tiny_causal_lm",
     "save_tiny_flux_pipeline",
@@ -71,6 +79,7 @@ __all__ = [
     "tiny_config",
     "tiny_flux_pipeline",
     "tiny_flux_transformer",
+    "tiny_lora_state_dict",
     "two_gpu_split",
     "unsupported_archs",
 ]

@@ -425,6 +425,19 @@ def test_matmul_linear_cat_messages():
         assert "tensors" in str(exc.value)
 
 
+def test_bucketize_message_names_the_boundaries():
+    with simulated_gpus(2):
+        x = torch.arange(4.0, device="cuda:1") / 4
+        with pytest.raises(RuntimeError) as exc:
+            torch.bucketize(x, torch.tensor([0.25, 0.5, 0.75]), right=True)
+        assert str(exc.value) == mismatch_exact("cuda:1", "cpu", "boundaries", "wrapper_CUDA_Tensor_bucketize")
+        with pytest.raises(RuntimeError) as exc:
+            torch.bucketize(torch.arange(4.0), boundaries=torch.tensor([0.5], device="cuda:0"))
+        assert str(exc.value) == mismatch_exact("cpu", "cuda:0", "boundaries", "wrapper_CUDA_Tensor_bucketize")
+        same = torch.bucketize(x, torch.tensor([0.25, 0.5, 0.75], device="cuda:1"), right=True)
+        assert same.device.index == 1 and same.cpu().tolist() == [0, 1, 2, 3]
+
+
 def test_copy_across_devices_is_allowed():
     with simulated_gpus(2):
         dst = torch.zeros(3, device="cuda:1")

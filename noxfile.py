@@ -37,6 +37,7 @@ POINT_STACKS = (
     ("point-transformers-4.44.0", ("transformers-static-cache-multigpu",), ()),
     ("point-bitsandbytes-0.48.0", ("bnb-int8params-move-regression", "bnb-int8-stats-stay-on-old-device"),
      ("tests/hooks/bitsandbytes/test_int8_cb_follows_data.py", "tests/hooks/bitsandbytes/test_int8_state_follows_weight.py")),
+    ("point-transformers-4.55.0", ("transformers-4550-bucketize-boundaries-cpu",), ()),
 )
 ENGINE_TESTS = (
     "tests/engine", "tests/hardening", "tests/test_compat_matrix.py", "tests/test_versions.py",

@@ -24,7 +24,13 @@ initialisation (see :mod:`.seeding`), so they do not depend on how a given
 transformers or diffusers release initialises parameters, and they are scaled so
 that greedy decoding produces varied tokens instead of one repeated token.
 
-Causal LMs live in :mod:`.causal_lm`, Flux in :mod:`.flux`; both are re-exported here.
+Idefics3 / SmolVLM (image and text)::
+
+    model = tiny_vision_language_model("idefics3")
+    logits = model(**sample_vision_language_inputs(model.config)).logits
+
+Causal LMs live in :mod:`.causal_lm`, Flux in :mod:`.flux`, the image-text models in
+:mod:`.vision_language`; all are re-exported here.
 """
 
 from __future__ import annotations
@@ -52,6 +58,13 @@ from .flux import (
     tiny_flux_pipeline,
     tiny_flux_transformer,
 )
+from .vision_language import (
+    VISION_LANGUAGE_ARCHS,
+    sample_vision_language_inputs,
+    tiny_vision_language_config,
+    tiny_vision_language_model,
+    unsupported_vision_language_archs,
+)
 
 __all__ = [
     "ARCHS",
@@ -61,9 +74,11 @@ __all__ = [
     "PAD_ID",
     "TINY_VOCAB",
     "UnsupportedArchError",
+    "VISION_LANGUAGE_ARCHS",
     "flux_unavailable",
     "greedy_generate",
     "sample_input_ids",
+    "sample_vision_language_inputs",
     "save_tiny_causal_lm",
     "save_tiny_flux_pipeline",
     "supported_archs",
@@ -71,6 +86,9 @@ __all__ = [
     "tiny_config",
     "tiny_flux_pipeline",
     "tiny_flux_transformer",
+    "tiny_vision_language_config",
+    "tiny_vision_language_model",
     "two_gpu_split",
     "unsupported_archs",
+    "unsupported_vision_language_archs",
 ]

@@ -39,6 +39,7 @@ POINT_STACKS = (
      ("tests/hooks/transformers/test_cache_follows_layer.py",)),
     ("point-bitsandbytes-0.48.0", ("bnb-int8params-move-regression", "bnb-int8-stats-stay-on-old-device"),
      ("tests/hooks/bitsandbytes/test_int8_cb_follows_data.py", "tests/hooks/bitsandbytes/test_int8_state_follows_weight.py")),
+    ("point-transformers-4.55.0", ("transformers-4550-bucketize-boundaries-cpu",), ()),
 )
 ENGINE_TESTS = (
     "tests/engine", "tests/hardening", "tests/test_compat_matrix.py", "tests/test_versions.py",

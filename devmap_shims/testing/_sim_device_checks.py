@@ -144,6 +144,13 @@ def _exact_equal(args, kwargs):
     return _self_and(args, kwargs, "other", "wrapper_CUDA__equal")
 
 
+def _exact_bucketize(args, kwargs):  # bucketize.Tensor(Tensor self, Tensor boundaries, *, ...)
+    return [
+        ("self", argument_at(args, kwargs, 0, "input", "self")),
+        ("boundaries", argument_at(args, kwargs, 1, "boundaries")),
+    ], "wrapper_CUDA_Tensor_bucketize"
+
+
 def _matmul_named(a: Any, b: Any):
     if not (isinstance(a, _Tensor) and isinstance(b, _Tensor)):
         return None
@@ -190,6 +197,7 @@ for _fs, _fn in (
     (torch_functions("baddbmm"), _exact_baddbmm),
     (torch_functions("cat", "concat", "concatenate", "stack", "hstack", "vstack"), _exact_cat),
     (torch_functions("equal"), _exact_equal),
+    (torch_functions("bucketize"), _exact_bucketize),
     (torch_functions("matmul", "__matmul__"), _exact_matmul),
     (torch_functions("__rmatmul__"), _exact_rmatmul),
     ([torch.embedding], _exact_torch_embedding),

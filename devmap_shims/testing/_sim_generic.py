@@ -3,7 +3,8 @@
 An op runs on the CPU tensors behind its operands, and the new storages it returns are tagged
 with the operands' simulated device (their common device, after CUDA's checks when the operands
 sit on different devices). Ops given ``device=`` (factories, ``*_like``, ``new_*``) run on the
-CPU and their results are tagged with that device; sized factories raise CUDA's out-of-memory
+CPU and their results are tagged with that device; factories without it make their result on the
+default device even when a number or size they were given is a tensor on a simulated GPU; sized factories raise CUDA's out-of-memory
 error before allocating. Random ops on a simulated GPU draw from that GPU's generator.
 """
 
@@ -29,6 +30,14 @@ _CPU = torch.device("cpu")
 _real_is_cpu = torch._C.TensorBase.is_cpu.__get__
 
 SIZED_FACTORIES = set(torch_functions("empty", "zeros", "ones", "rand", "randn"))
+# factories whose tensor arguments can only be numbers or sizes (0-dim tensors read with .item()):
+# without device= their result is on the default device, whatever device those tensors are on
+NUMBER_FACTORIES = set(
+    torch_functions(
+        "arange", "range", "full", "linspace", "logspace", "zeros", "ones", "empty", "empty_strided", "eye",
+        "rand", "randn", "randint", "randperm", "scalar_tensor", "tril_indices", "triu_indices",
+    )
+)
 RANDOM_FACTORIES = set(torch_functions("randn", "rand", "randint", "randperm", "normal"))
 # random ops on existing tensors that take a generator: they draw from the simulated device's generator
 RANDOM_ON_TENSORS = set(
@@ -146,6 +155,8 @@ def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
                 for b in a:
                     if isinstance(b, _Tensor):
                         ts.append(b)
+    if ts and func in NUMBER_FACTORIES:
+        ts = []  # torch.arange(0, 1, 1 / n) with n on a GPU is made on the CPU, as CUDA torch makes it
     if not ts:
         if kwargs.get("generator") is not None:
             _check_generator(kwargs, _CPU)

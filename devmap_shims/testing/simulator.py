@@ -57,7 +57,7 @@ What is not simulated
       onto the simulated GPUs; a callable ``map_location`` is used as given).
     * Error messages: the device-mismatch messages follow torch's own by version (TensorIterator
       ops "found at least two devices, A and B!"; index_select/embedding, mm/bmm/addmm/linear/
-      matmul, cat/stack, equal with the "(when checking argument ...)" suffix, in the torch >= 2.8
+      matmul, cat/stack, equal, bucketize with the "(when checking argument ...)" suffix, in the torch >= 2.8
       wording where torch changed it); other ops that CUDA checks argument by argument get the
       TensorIterator wording.
 

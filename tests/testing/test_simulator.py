@@ -425,6 +425,39 @@ def test_matmul_linear_cat_messages():
         assert "tensors" in str(exc.value)
 
 
+def test_factories_given_gpu_numbers_make_their_result_on_the_default_device():
+    with simulated_gpus(2):
+        n = torch.tensor([True, True, False, True], device="cuda:1").sum()  # a count, on the GPU
+        assert n.device.index == 1
+        made = {
+            "arange": torch.arange(0, 1 - 1e-6, 1 / n),
+            "arange(n)": torch.arange(n),
+            "full": torch.full((2,), n),
+            "linspace": torch.linspace(0, n, 3),
+            "zeros": torch.zeros(n),
+            "randint": torch.randint(0, n, (2,)),
+        }
+        assert {name: str(t.device) for name, t in made.items()} == {name: "cpu" for name in made}
+        assert torch.arange(n).tolist() == [0, 1, 2]
+        assert torch.arange(n, device="cuda:0").device.index == 0
+        with torch.device("cuda:1"):
+            assert torch.arange(0, 1, 1 / n).device.index == 1
+        assert (n + torch.ones((), device="cuda:1")).device.index == 1  # ordinary ops still follow their operands
+
+
+def test_bucketize_message_names_the_boundaries():
+    with simulated_gpus(2):
+        x = torch.arange(4.0, device="cuda:1") / 4
+        with pytest.raises(RuntimeError) as exc:
+            torch.bucketize(x, torch.tensor([0.25, 0.5, 0.75]), right=True)
+        assert str(exc.value) == mismatch_exact("cuda:1", "cpu", "boundaries", "wrapper_CUDA_Tensor_bucketize")
+        with pytest.raises(RuntimeError) as exc:
+            torch.bucketize(torch.arange(4.0), boundaries=torch.tensor([0.5], device="cuda:0"))
+        assert str(exc.value) == mismatch_exact("cpu", "cuda:0", "boundaries", "wrapper_CUDA_Tensor_bucketize")
+        same = torch.bucketize(x, torch.tensor([0.25, 0.5, 0.75], device="cuda:1"), right=True)
+        assert same.device.index == 1 and same.cpu().tolist() == [0, 1, 2, 3]
+
+
 def test_copy_across_devices_is_allowed():
     with simulated_gpus(2):
         dst = torch.zeros(3, device="cuda:1")

@@ -28,8 +28,13 @@ A LoRA for a diffusers model, as the state dict ``load_lora_weights`` takes::
 
     pipe.load_lora_weights(tiny_lora_state_dict(pipe.transformer))    # needs peft
 
-Causal LMs live in :mod:`.causal_lm`, Flux in :mod:`.flux`, LoRAs in :mod:`.lora`; all are
-re-exported here.
+Idefics3 / SmolVLM (image and text)::
+
+    model = tiny_vision_language_model("idefics3")
+    logits = model(**sample_vision_language_inputs(model.config)).logits
+
+Causal LMs live in :mod:`.causal_lm`, Flux in :mod:`.flux`, LoRAs in :mod:`.lora`, the image-text
+models in :mod:`.vision_language`; all are re-exported here.
 """
 
 from __future__ import annotations
@@ -58,6 +63,13 @@ from .flux import (
     tiny_flux_transformer,
 )
 from .lora import ATTENTION_PROJECTIONS, lora_target_modules, tiny_lora_state_dict
+from .vision_language import (
+    VISION_LANGUAGE_ARCHS,
+    sample_vision_language_inputs,
+    tiny_vision_language_config,
+    tiny_vision_language_model,
+    unsupported_vision_language_archs,
+)
 
 __all__ = [
     "ARCHS",
@@ -68,10 +80,12 @@ __all__ = [
     "PAD_ID",
     "TINY_VOCAB",
     "UnsupportedArchError",
+    "VISION_LANGUAGE_ARCHS",
     "flux_unavailable",
     "greedy_generate",
     "lora_target_modules",
     "sample_input_ids",
+    "sample_vision_language_inputs",
     "save_tiny_causal_lm",
     "save_tiny_flux_pipeline",
     "supported_archs",
@@ -80,6 +94,9 @@ __all__ = [
     "tiny_flux_pipeline",
     "tiny_flux_transformer",
     "tiny_lora_state_dict",
+    "tiny_vision_language_config",
+    "tiny_vision_language_model",
     "two_gpu_split",
     "unsupported_archs",
+    "unsupported_vision_language_archs",
 ]

@@ -14,6 +14,13 @@ Causal LMs::
     AutoModelForCausalLM.from_pretrained(path, device_map="auto")
     tokens = greedy_generate(model, sample_input_ids(), max_new_tokens=16)
 
+A vision-language model (Qwen2-VL), and a map that puts its vision tower on its own GPU::
+
+    model = tiny_qwen2_vl()
+    inputs = qwen2_vl_image_prompt()
+    Qwen2VLForConditionalGeneration.from_pretrained(save_tiny_qwen2_vl(tmp_path),
+                                                    device_map=vision_text_split(model))
+
 Flux::
 
     pipe = tiny_flux_pipeline()
@@ -24,7 +31,8 @@ initialisation (see :mod:`.seeding`), so they do not depend on how a given
 transformers or diffusers release initialises parameters, and they are scaled so
 that greedy decoding produces varied tokens instead of one repeated token.
 
-Causal LMs live in :mod:`.causal_lm`, Flux in :mod:`.flux`; both are re-exported here.
+Causal LMs live in :mod:`.causal_lm`, Qwen2-VL in :mod:`.vlm`, Flux in :mod:`.flux`; all are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -45,6 +53,14 @@ from .causal_lm import (
     two_gpu_split,
     unsupported_archs,
 )
+from .vlm import (
+    IMAGE_TOKEN_ID,
+    qwen2_vl_image_prompt,
+    save_tiny_qwen2_vl,
+    tiny_qwen2_vl,
+    tiny_qwen2_vl_config,
+    vision_text_split,
+)
 from .flux import (
     FLUX_LATENT_CHANNELS,
     flux_unavailable,
@@ -58,19 +74,25 @@ __all__ = [
     "BOS_ID",
     "EOS_ID",
     "FLUX_LATENT_CHANNELS",
+    "IMAGE_TOKEN_ID",
     "PAD_ID",
     "TINY_VOCAB",
     "UnsupportedArchError",
     "flux_unavailable",
     "greedy_generate",
+    "qwen2_vl_image_prompt",
     "sample_input_ids",
     "save_tiny_causal_lm",
     "save_tiny_flux_pipeline",
+    "save_tiny_qwen2_vl",
     "supported_archs",
     "tiny_causal_lm",
     "tiny_config",
     "tiny_flux_pipeline",
     "tiny_flux_transformer",
+    "tiny_qwen2_vl",
+    "tiny_qwen2_vl_config",
     "two_gpu_split",
     "unsupported_archs",
+    "vision_text_split",
 ]

@@ -2,7 +2,7 @@
 
 Most ops check their operands the way TensorIterator does (:func:`check_ti`: CPU scalars may
 join CUDA tensors). Ops whose generated kernel wrapper checks argument by argument
-(``index_select``, ``mm``, ``cat``...) word the error differently and name the argument; their
+(``index_select``, ``mm``, ``cat``, ``masked_scatter``...) word the error differently and name the argument; their
 argument lists, in schema order, are in :data:`EXACT_CHECKS`. The messages follow the torch
 release that runs (they were reworded in torch 2.8).
 """
@@ -151,6 +151,15 @@ def _exact_bucketize(args, kwargs):  # bucketize.Tensor(Tensor self, Tensor boun
     ], "wrapper_CUDA_Tensor_bucketize"
 
 
+def _exact_masked_scatter(args, kwargs):
+    # masked_scatter (composite) expands the mask and calls masked_scatter_, whose wrapper checks all three
+    return [
+        ("self", argument_at(args, kwargs, 0, "input", "self")),
+        ("mask", argument_at(args, kwargs, 1, "mask")),
+        ("source", argument_at(args, kwargs, 2, "source")),
+    ], "wrapper_CUDA__masked_scatter_"
+
+
 def _matmul_named(a: Any, b: Any):
     if not (isinstance(a, _Tensor) and isinstance(b, _Tensor)):
         return None
@@ -198,6 +207,7 @@ for _fs, _fn in (
     (torch_functions("cat", "concat", "concatenate", "stack", "hstack", "vstack"), _exact_cat),
     (torch_functions("equal"), _exact_equal),
     (torch_functions("bucketize"), _exact_bucketize),
+    (torch_functions("masked_scatter", "masked_scatter_"), _exact_masked_scatter),
     (torch_functions("matmul", "__matmul__"), _exact_matmul),
     (torch_functions("__rmatmul__"), _exact_rmatmul),
     ([torch.embedding], _exact_torch_embedding),

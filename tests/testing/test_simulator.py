@@ -458,6 +458,26 @@ def test_bucketize_message_names_the_boundaries():
         assert same.device.index == 1 and same.cpu().tolist() == [0, 1, 2, 3]
 
 
+def test_masked_scatter_names_the_mask():
+    # the message of huggingface/transformers#33816 (Qwen2-VL split over GPUs), from masked_scatter_'s wrapper
+    with simulated_gpus(2), torch.no_grad():
+        embeds = torch.zeros(1, 3, 2, device="cuda:1")
+        source = torch.ones(2, 2, device="cuda:1")
+        mask = torch.tensor([[False, True, False]]).unsqueeze(-1).expand_as(embeds)
+        for bad_mask, other in ((mask.to("cuda:0"), "cuda:0"), (mask, "cpu")):
+            with pytest.raises(RuntimeError) as exc:
+                embeds.masked_scatter(bad_mask, source)
+            assert str(exc.value) == mismatch_exact("cuda:1", other, "mask", "wrapper_CUDA__masked_scatter_")
+            with pytest.raises(RuntimeError) as exc:
+                embeds.clone().masked_scatter_(bad_mask, source)
+            assert str(exc.value) == mismatch_exact("cuda:1", other, "mask", "wrapper_CUDA__masked_scatter_")
+        with pytest.raises(RuntimeError) as exc:
+            embeds.masked_scatter(mask.to("cuda:1"), source.to("cuda:0"))
+        assert str(exc.value) == mismatch_exact("cuda:1", "cuda:0", "source", "wrapper_CUDA__masked_scatter_")
+        out = embeds.masked_scatter(mask.to("cuda:1"), source)
+        assert out.device.index == 1 and out.cpu()[0, 1].tolist() == [1.0, 1.0] and out.cpu().sum() == 2
+
+
 def test_copy_across_devices_is_allowed():
     with simulated_gpus(2):
         dst = torch.zeros(3, device="cuda:1")

@@ -14,6 +14,13 @@ Causal LMs::
     AutoModelForCausalLM.from_pretrained(path, device_map="auto")
     tokens = greedy_generate(model, sample_input_ids(), max_new_tokens=16)
 
+A vision-language model (Qwen2-VL), and a map that puts its vision tower on its own GPU::
+
+    model = tiny_qwen2_vl()
+    inputs = qwen2_vl_image_prompt()
+    Qwen2VLForConditionalGeneration.from_pretrained(save_tiny_qwen2_vl(tmp_path),
+                                                    device_map=vision_text_split(model))
+
 Flux::
 
     pipe = tiny_flux_pipeline()
@@ -33,8 +40,8 @@ Idefics3 / SmolVLM (image and text)::
     model = tiny_vision_language_model("idefics3")
     logits = model(**sample_vision_language_inputs(model.config)).logits
 
-Causal LMs live in :mod:`.causal_lm`, Flux in :mod:`.flux`, LoRAs in :mod:`.lora`, the image-text
-models in :mod:`.vision_language`; all are re-exported here.
+Causal LMs live in :mod:`.causal_lm`, Flux in :mod:`.flux`, LoRAs in :mod:`.lora`, Qwen2-VL in
+:mod:`.vlm`, Idefics3 and SmolVLM in :mod:`.vision_language`; all are re-exported here.
 """
 
 from __future__ import annotations
@@ -54,6 +61,14 @@ from .causal_lm import (
     tiny_config,
     two_gpu_split,
     unsupported_archs,
+)
+from .vlm import (
+    IMAGE_TOKEN_ID,
+    qwen2_vl_image_prompt,
+    save_tiny_qwen2_vl,
+    tiny_qwen2_vl,
+    tiny_qwen2_vl_config,
+    vision_text_split,
 )
 from .flux import (
     FLUX_LATENT_CHANNELS,
@@ -77,6 +92,7 @@ __all__ = [
     "BOS_ID",
     "EOS_ID",
     "FLUX_LATENT_CHANNELS",
+    "IMAGE_TOKEN_ID",
     "PAD_ID",
     "TINY_VOCAB",
     "UnsupportedArchError",
@@ -84,19 +100,24 @@ __all__ = [
     "flux_unavailable",
     "greedy_generate",
     "lora_target_modules",
+    "qwen2_vl_image_prompt",
     "sample_input_ids",
     "sample_vision_language_inputs",
     "save_tiny_causal_lm",
     "save_tiny_flux_pipeline",
+    "save_tiny_qwen2_vl",
     "supported_archs",
     "tiny_causal_lm",
     "tiny_config",
     "tiny_flux_pipeline",
     "tiny_flux_transformer",
     "tiny_lora_state_dict",
+    "tiny_qwen2_vl",
+    "tiny_qwen2_vl_config",
     "tiny_vision_language_config",
     "tiny_vision_language_model",
     "two_gpu_split",
     "unsupported_archs",
     "unsupported_vision_language_archs",
+    "vision_text_split",
 ]

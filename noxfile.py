@@ -33,7 +33,8 @@ OTHER_PYTHON_STACKS = (("legacy-2024-py3.10", "legacy-2024-py3.10", "3.10"),)
 #: (session, matrix rows): a full stack with one pin changed, for rows whose range holds only that
 #: release; it runs those rows' scenarios and the shim contract, not the whole suite.
 POINT_STACKS = (
-    ("point-accelerate-1.2.0", ("accelerate-infer-map-maxmem-none",), ()),
+    ("point-accelerate-1.2.0", ("accelerate-infer-map-maxmem-none", "accelerate-tied-size-overcount"),
+     ("tests/hooks/accelerate/test_tied_sizes_counted_once.py",)),
     ("point-transformers-4.44.0", ("transformers-static-cache-multigpu",), ()),
     ("point-bitsandbytes-0.48.0", ("bnb-int8params-move-regression", "bnb-int8-stats-stay-on-old-device"),
      ("tests/hooks/bitsandbytes/test_int8_cb_follows_data.py", "tests/hooks/bitsandbytes/test_int8_state_follows_weight.py")),

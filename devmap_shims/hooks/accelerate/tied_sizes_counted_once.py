@@ -149,3 +149,34 @@ def tied_backbone_on_two_gpus() -> str:
             f"yet the map is {dict(device_map)}"
         )
     return f"{sizes['total']} bytes placed as {dict(device_map)}"
+
+
+@scenario(BUG_ID, "infer_auto_device_map of the three-layer tied encoder-decoder on simulated GPUs of 40 kB and "
+          "150 kB: the first encoder layer takes the whole decoder along, the next one's tied module is gone",
+          needs=("torch", "accelerate"))
+def tied_module_placed_already() -> str:
+    import accelerate.utils.modeling as modeling
+    from accelerate import infer_auto_device_map, init_empty_weights
+
+    from devmap_shims.testing import simulated_gpus
+    from devmap_shims.testing.models.tied import TIED_NO_SPLIT, tied_backbone_model, tied_backbone_sizes
+
+    if not hasattr(modeling, "get_module_size_with_ties"):
+        raise ScenarioUnavailable(
+            "accelerate < 1.2.0 sizes tied modules inside infer_auto_device_map "
+            "(row accelerate-tied-size-overcount-inline, no shim)"
+        )
+    with simulated_gpus(2, memory="1GiB"):
+        with init_empty_weights():
+            model = tied_backbone_model(layers=3)
+        total = tied_backbone_sizes(model)["total"]
+        try:
+            device_map = infer_auto_device_map(
+                model, max_memory={0: 40_000, 1: 150_000, "cpu": 10**9}, no_split_module_classes=list(TIED_NO_SPLIT)
+            )
+        except IndexError as exc:
+            raise BugObserved(f"infer_auto_device_map raised IndexError: {exc}") from exc
+    off_gpu = sorted(name or "(whole model)" for name, device in device_map.items() if str(device) in ("cpu", "disk", "meta"))
+    if off_gpu:
+        raise BugObserved(f"the model ({total} bytes) fits GPU 1's 150000 bytes, yet the map is {dict(device_map)}")
+    return f"{total} bytes placed as {dict(device_map)}"

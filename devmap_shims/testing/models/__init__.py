@@ -24,7 +24,14 @@ initialisation (see :mod:`.seeding`), so they do not depend on how a given
 transformers or diffusers release initialises parameters, and they are scaled so
 that greedy decoding produces varied tokens instead of one repeated token.
 
-Causal LMs live in :mod:`.causal_lm`, Flux in :mod:`.flux`; both are re-exported here.
+Tied weights (an encoder-decoder whose decoder layers share four weights each with the encoder's,
+for device-map code that must size tied modules once)::
+
+    model = tied_backbone_model(layers=2)
+    infer_auto_device_map(model, max_memory=..., no_split_module_classes=list(TIED_NO_SPLIT))
+
+Causal LMs live in :mod:`.causal_lm`, Flux in :mod:`.flux`, the tied model in :mod:`.tied`; all are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from .flux import (
     tiny_flux_pipeline,
     tiny_flux_transformer,
 )
+from .tied import TIED_NO_SPLIT, TIED_PROJECTIONS, tied_backbone_model, tied_backbone_sizes
 
 __all__ = [
     "ARCHS",
@@ -59,6 +67,8 @@ __all__ = [
     "EOS_ID",
     "FLUX_LATENT_CHANNELS",
     "PAD_ID",
+    "TIED_NO_SPLIT",
+    "TIED_PROJECTIONS",
     "TINY_VOCAB",
     "UnsupportedArchError",
     "flux_unavailable",
@@ -67,6 +77,8 @@ __all__ = [
     "save_tiny_causal_lm",
     "save_tiny_flux_pipeline",
     "supported_archs",
+    "tied_backbone_model",
+    "tied_backbone_sizes",
     "tiny_causal_lm",
     "tiny_config",
     "tiny_flux_pipeline",

@@ -7,7 +7,8 @@ size once per tied parameter. A decoder layer sharing four weights with an encod
 four times, so a module that fits is sent to the next GPU, the CPU or the disk. The wrapper
 replaces that sum by one that adds each tied module once (as transformers 5.13 does in its own
 copy); everything else (the subtraction of each tied parameter's own size, the names and modules
-returned, their order) is accelerate's. A tied parameter whose module is no longer in the list of
+returned, their order) is accelerate's; a tied parameter's module is found by its name and a dot,
+as accelerate >= 1.3 does (1.2.0 matched any substring). A tied parameter whose module is no longer in the list of
 modules to place (placed already, with an earlier part of the current module) adds nothing instead
 of raising ``IndexError``. When no module is tied more than once and every lookup succeeds, the
 original runs unchanged. ``infer_auto_device_map`` reads the function from its module's globals at

@@ -40,8 +40,15 @@ Idefics3 / SmolVLM (image and text)::
     model = tiny_vision_language_model("idefics3")
     logits = model(**sample_vision_language_inputs(model.config)).logits
 
+Tied weights (an encoder-decoder whose decoder layers share four weights each with the encoder's,
+for device-map code that must size tied modules once)::
+
+    model = tied_backbone_model(layers=2)
+    infer_auto_device_map(model, max_memory=..., no_split_module_classes=list(TIED_NO_SPLIT))
+
 Causal LMs live in :mod:`.causal_lm`, Flux in :mod:`.flux`, LoRAs in :mod:`.lora`, Qwen2-VL in
-:mod:`.vlm`, Idefics3 and SmolVLM in :mod:`.vision_language`; all are re-exported here.
+:mod:`.vlm`, Idefics3 and SmolVLM in :mod:`.vision_language`, the tied model in :mod:`.tied`; all
+are re-exported here.
 """
 
 from __future__ import annotations
@@ -85,6 +92,7 @@ from .vision_language import (
     tiny_vision_language_model,
     unsupported_vision_language_archs,
 )
+from .tied import TIED_NO_SPLIT, TIED_PROJECTIONS, tied_backbone_model, tied_backbone_sizes
 
 __all__ = [
     "ARCHS",
@@ -94,6 +102,8 @@ __all__ = [
     "FLUX_LATENT_CHANNELS",
     "IMAGE_TOKEN_ID",
     "PAD_ID",
+    "TIED_NO_SPLIT",
+    "TIED_PROJECTIONS",
     "TINY_VOCAB",
     "UnsupportedArchError",
     "VISION_LANGUAGE_ARCHS",
@@ -107,6 +117,8 @@ __all__ = [
     "save_tiny_flux_pipeline",
     "save_tiny_qwen2_vl",
     "supported_archs",
+    "tied_backbone_model",
+    "tied_backbone_sizes",
     "tiny_causal_lm",
     "tiny_config",
     "tiny_flux_pipeline",

@@ -4,8 +4,10 @@ An op runs on the CPU tensors behind its operands, and the new storages it retur
 with the operands' simulated device (their common device, after CUDA's checks when the operands
 sit on different devices). Ops given ``device=`` (factories, ``*_like``, ``new_*``) run on the
 CPU and their results are tagged with that device; factories without it make their result on the
-default device even when a number or size they were given is a tensor on a simulated GPU; sized factories raise CUDA's out-of-memory
-error before allocating. Random ops on a simulated GPU draw from that GPU's generator.
+default device even when a number or size they were given is a tensor on a simulated GPU (and a
+size given as such a tensor to ``expand``/``view``/``reshape``/... is not an operand); sized
+factories raise CUDA's out-of-memory error before allocating. Random ops on a simulated GPU draw
+from that GPU's generator.
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ NUMBER_FACTORIES = set(
     torch_functions(
         "arange", "range", "full", "linspace", "logspace", "zeros", "ones", "empty", "empty_strided", "eye",
         "rand", "randn", "randint", "randperm", "scalar_tensor", "tril_indices", "triu_indices",
+    )
+)
+# methods whose arguments after ``self`` can only be sizes or dims: a 0-dim tensor there is read with
+# .item() (``x.expand(-1, w)`` with ``w`` on a GPU), so only ``self`` counts for the device checks
+SIZE_METHODS = set(
+    torch_functions(
+        "expand", "view", "reshape", "repeat", "tile", "broadcast_to", "unflatten", "permute",
+        "new_empty", "new_zeros", "new_ones",
     )
 )
 RANDOM_FACTORIES = set(torch_functions("randn", "rand", "randint", "randperm", "normal"))
@@ -178,6 +188,8 @@ def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
             mixed = True
             break
     skip = None
+    if mixed and func in SIZE_METHODS and args and args[0] is ts[0]:
+        ts, keys, mixed = ts[:1], keys[:1], False
     if mixed:
         common, skip = check_mixed(func, args, kwargs, ts, keys)
     if common is None:  # nothing on a simulated GPU (or a real non-CPU device leads): run as is

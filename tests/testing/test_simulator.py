@@ -425,6 +425,20 @@ def test_matmul_linear_cat_messages():
         assert "tensors" in str(exc.value)
 
 
+def test_sizes_given_as_gpu_tensors_are_not_operands():
+    # Qwen2-VL's rot_pos_emb: torch.arange(h).unsqueeze(1).expand(-1, w) with h and w read from grid_thw on a GPU
+    with simulated_gpus(2):
+        h, w = torch.tensor([[1, 4, 4]], device="cuda:0")[0, 1:]
+        grid = torch.arange(h).unsqueeze(1).expand(-1, w)
+        assert grid.device.type == "cpu" and grid.shape == (4, 4)
+        assert torch.zeros(4).view(h).device.type == "cpu"
+        assert torch.zeros(2).repeat(w).shape == (8,)
+        on_gpu = torch.zeros(4, 1, device="cuda:1").expand(-1, w)
+        assert on_gpu.device.index == 1
+        with pytest.raises(RuntimeError, match="same device"):
+            torch.zeros(4, device="cuda:1") + torch.ones(4, device="cuda:0")  # operands are still checked
+
+
 def test_factories_given_gpu_numbers_make_their_result_on_the_default_device():
     with simulated_gpus(2):
         n = torch.tensor([True, True, False, True], device="cuda:1").sum()  # a count, on the GPU

@@ -116,21 +116,30 @@ SHIM = Shim(
 GPU_BUDGET = 120_000
 
 
-@scenario(BUG_ID, "infer_auto_device_map of an encoder-decoder whose decoder layers share four weights each with "
-          "the encoder's, on two simulated GPUs of 120 kB where the whole model fits GPU 0",
-          needs=("torch", "accelerate"))
-def tied_backbone_on_two_gpus() -> str:
+def _require_the_sizing_function() -> None:
     import accelerate.utils.modeling as modeling
-    from accelerate import infer_auto_device_map, init_empty_weights
-
-    from devmap_shims.testing import simulated_gpus
-    from devmap_shims.testing.models.tied import TIED_NO_SPLIT, tied_backbone_model, tied_backbone_sizes
 
     if not hasattr(modeling, "get_module_size_with_ties"):
         raise ScenarioUnavailable(
             "accelerate < 1.2.0 sizes tied modules inside infer_auto_device_map "
             "(row accelerate-tied-size-overcount-inline, no shim)"
         )
+
+
+def _off_gpu(device_map: Dict[str, Any]) -> List[str]:
+    return sorted(name or "(whole model)" for name, device in device_map.items() if str(device) in ("cpu", "disk", "meta"))
+
+
+@scenario(BUG_ID, "infer_auto_device_map of an encoder-decoder whose decoder layers share four weights each with "
+          "the encoder's, on two simulated GPUs of 120 kB where the whole model fits GPU 0",
+          needs=("torch", "accelerate"))
+def tied_backbone_on_two_gpus() -> str:
+    from accelerate import infer_auto_device_map, init_empty_weights
+
+    from devmap_shims.testing import simulated_gpus
+    from devmap_shims.testing.models.tied import TIED_NO_SPLIT, tied_backbone_model, tied_backbone_sizes
+
+    _require_the_sizing_function()
     with simulated_gpus(2, memory="1GiB"):
         with init_empty_weights():
             model = tied_backbone_model()
@@ -143,7 +152,7 @@ def tied_backbone_on_two_gpus() -> str:
             no_split_module_classes=list(TIED_NO_SPLIT),
         )
     placed = {str(device) for device in device_map.values()}
-    off_gpu = sorted(name or "(whole model)" for name, device in device_map.items() if str(device) in ("cpu", "disk", "meta"))
+    off_gpu = _off_gpu(device_map)
     if off_gpu or "0" not in placed:
         raise BugObserved(
             f"the model ({sizes['total']} bytes, each tied weight once) is below each GPU's {GPU_BUDGET} bytes, "
@@ -156,17 +165,12 @@ def tied_backbone_on_two_gpus() -> str:
           "150 kB: the first encoder layer takes the whole decoder along, the next one's tied module is gone",
           needs=("torch", "accelerate"))
 def tied_module_placed_already() -> str:
-    import accelerate.utils.modeling as modeling
     from accelerate import infer_auto_device_map, init_empty_weights
 
     from devmap_shims.testing import simulated_gpus
     from devmap_shims.testing.models.tied import TIED_NO_SPLIT, tied_backbone_model, tied_backbone_sizes
 
-    if not hasattr(modeling, "get_module_size_with_ties"):
-        raise ScenarioUnavailable(
-            "accelerate < 1.2.0 sizes tied modules inside infer_auto_device_map "
-            "(row accelerate-tied-size-overcount-inline, no shim)"
-        )
+    _require_the_sizing_function()
     with simulated_gpus(2, memory="1GiB"):
         with init_empty_weights():
             model = tied_backbone_model(layers=3)
@@ -177,7 +181,7 @@ def tied_module_placed_already() -> str:
             )
         except IndexError as exc:
             raise BugObserved(f"infer_auto_device_map raised IndexError: {exc}") from exc
-    off_gpu = sorted(name or "(whole model)" for name, device in device_map.items() if str(device) in ("cpu", "disk", "meta"))
+    off_gpu = _off_gpu(device_map)
     if off_gpu:
         raise BugObserved(f"the model ({total} bytes) fits GPU 1's 150000 bytes, yet the map is {dict(device_map)}")
     return f"{total} bytes placed as {dict(device_map)}"

@@ -76,11 +76,17 @@ class UnsupportedArchError(RuntimeError):
 
 def _arch_classes(arch: str) -> tuple[type, type]:
     """Config and model classes for ``arch``, or :class:`UnsupportedArchError` saying why not."""
-    if arch not in _ARCH_CLASSES:
-        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    return classes_named(_ARCH_CLASSES, arch)
+
+
+def classes_named(table: dict[str, tuple[str, str]], arch: str) -> tuple[type, type]:
+    """The transformers config and model classes ``table`` names for ``arch`` (``{arch: (config
+    class name, model class name)}``), or :class:`UnsupportedArchError` saying why not."""
+    if arch not in table:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(table)}")
     import transformers
 
-    config_name, model_name = _ARCH_CLASSES[arch]
+    config_name, model_name = table[arch]
     try:
         return getattr(transformers, config_name), getattr(transformers, model_name)
     except AttributeError:

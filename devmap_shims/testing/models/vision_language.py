@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .causal_lm import TINY_VOCAB, UnsupportedArchError, sample_input_ids
+from .causal_lm import TINY_VOCAB, UnsupportedArchError, classes_named, sample_input_ids
 from .seeding import reinit_weights, seeded
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -60,18 +60,7 @@ _TEXT: dict[str, Any] = {
 
 
 def _classes(arch: str) -> tuple[type, type]:
-    if arch not in _CLASSES:
-        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(VISION_LANGUAGE_ARCHS)}")
-    import transformers
-
-    config_name, model_name = _CLASSES[arch]
-    try:
-        return getattr(transformers, config_name), getattr(transformers, model_name)
-    except AttributeError:
-        raise UnsupportedArchError(
-            f"{arch}: transformers {transformers.__version__} has no {model_name} "
-            f"(it arrived in a later release); upgrade transformers to build this model"
-        ) from None
+    return classes_named(_CLASSES, arch)
 
 
 def unsupported_vision_language_archs() -> dict[str, str]:

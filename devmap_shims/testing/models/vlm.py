@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .causal_lm import BOS_ID, EOS_ID, PAD_ID, TINY_VOCAB, UnsupportedArchError, _save_kwargs
+from .causal_lm import _COMMON, UnsupportedArchError, _save_kwargs
 from .seeding import reinit_weights, seeded
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -35,20 +35,11 @@ IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_START_ID, VISION_END_ID = 250, 251, 252, 
 
 PATCH, TEMPORAL_PATCH, MERGE = 14, 2, 2
 
+#: the tiny causal LMs' text settings, with Qwen2-VL's multimodal rotary embedding and an untied head
 _TEXT: dict[str, Any] = {
-    "vocab_size": TINY_VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6,
+    **_COMMON,
     # head_dim 16: the three rotary sections (time, height, width) share its 8 frequencies
     "rope_scaling": {"type": "mrope", "rope_type": "default", "mrope_section": [2, 3, 3]},
-    "pad_token_id": PAD_ID,
-    "bos_token_id": BOS_ID,
-    "eos_token_id": EOS_ID,
     "tie_word_embeddings": False,
 }
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 import weakref
 
-from devmap_shims.devices.accelerate_hooks import execution_device
+from devmap_shims.devices.embeddings import input_embedding_device
 from devmap_shims.devices.tensors import tensor_type
 from devmap_shims.scenarios import scenario
 from devmap_shims.shims import LazyLogger, Shim, Target, with_context
@@ -50,63 +50,6 @@ MAIN_INPUTS = (
     "pixel_values",
     "decoder_input_ids",
 )
-
-
-def _input_embeddings(model: Any) -> Any:
-    getter = getattr(model, "get_input_embeddings", None)
-    if getter is None:
-        return None
-    try:
-        return getter()
-    except Exception:  # NotImplementedError on models without input embeddings
-        return None
-
-
-def _remembered_embeddings(model: Any, known: Any) -> Any:
-    """``model.get_input_embeddings()``, remembered in ``known`` (model -> (parent, name, embedding))
-    for as long as ``parent._modules[name]`` still is that embedding.
-
-    transformers 4.5x resolves ``get_input_embeddings`` through several attribute lookups (about
-    18 us a call); the check of the remembered entry is one dict lookup. ``set_input_embeddings``
-    and ``resize_token_embeddings`` replace the module in its parent, which drops the entry.
-    """
-    try:
-        entry = known.get(model)
-    except TypeError:  # not weak-referenceable or not hashable: ask every time
-        return _input_embeddings(model)
-    if entry is not None:
-        parent, name, embedding = entry
-        if parent._modules.get(name) is embedding:
-            return embedding
-    embedding = _input_embeddings(model)
-    modules = getattr(model, "modules", None)
-    if embedding is None or not callable(modules):
-        return embedding
-    for parent in modules():
-        for name, child in parent._modules.items():
-            if child is embedding:
-                known[model] = (parent, name, embedding)
-                return embedding
-    return embedding
-
-
-def input_embedding_device(model: Any, known: Any = None) -> Any:
-    """Where ``model``'s input embeddings compute, or None when it cannot be told. ``known``: a
-    ``WeakKeyDictionary`` that remembers where each model keeps its input embeddings."""
-    embedding = _input_embeddings(model) if known is None else _remembered_embeddings(model, known)
-    if embedding is None:
-        return None
-    own = getattr(embedding, "_parameters", None)  # a torch Module's: a dict read, not Module.__getattr__
-    weight = own.get("weight") if isinstance(own, dict) else getattr(embedding, "weight", None)
-    if not isinstance(weight, tensor_type()):
-        parameters = getattr(embedding, "parameters", None)
-        weight = next(iter(parameters()), None) if callable(parameters) else None
-        if weight is None:
-            return None
-    device = weight.device
-    if device.type == "meta":
-        return execution_device(embedding)
-    return device
 
 
 def _misplaced(args: Tuple[Any, ...], kwargs: Dict[str, Any], target: Any) -> bool:

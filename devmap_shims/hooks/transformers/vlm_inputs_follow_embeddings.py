@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Tuple
 
 from devmap_shims.calls import argument, with_argument
+from devmap_shims.devices.embeddings import input_embedding_device
 from devmap_shims.devices.tensors import tensor_type
-from devmap_shims.hooks.transformers.generate_input_device import input_embedding_device
 from devmap_shims.scenarios import BugObserved, ScenarioUnavailable, scenario
 from devmap_shims.shims import LazyLogger, Shim, Target
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
-    from typing import Any, Callable, Dict, List, Optional, Tuple
+    from typing import Any, Callable, Dict, Optional, Tuple
 
 from devmap_shims.calls import argument, with_argument
 from devmap_shims.scenarios import BugObserved, ScenarioUnavailable, scenario
@@ -69,16 +69,12 @@ def _map_order_choice(device_map: Any) -> Any:
     if not callable(values):
         return None
     try:
-        gpus: List[Any] = []
-        for device in values():
-            if device not in OFFLOAD and device not in gpus:
-                gpus.append(device)
-        if len(gpus) < 2:
+        if len(set(values()) - set(OFFLOAD)) < 2:
             return None  # one GPU (or none): the set has only that one to offer
         theirs = set_order_pick(device_map)
     except TypeError:  # unhashable values: accelerate raises its own error on them
         return None
-    chosen = gpus[0]
+    chosen = first_in_map_order(device_map)
     if theirs != chosen:
         logger.debug("%s passes main_device=%r, the first GPU of the map (the set order gives %r)", SHIM.id, chosen, theirs)
     return chosen

@@ -31,10 +31,8 @@ What is simulated
       allocator's 512-byte blocks) until it is freed; an allocation past capacity raises
       ``torch.OutOfMemoryError`` with CUDA's message naming the GPU.
     * ``torch.Generator("cuda:N")``, ``torch.cuda.Stream``/``Event`` (inert), ``pin_memory()``.
-    * Libraries that cache which accelerator the machine has (diffusers' ``get_device``, behind
-      ``enable_sequential_cpu_offload``: cached in 0.35-0.40, through
-      ``TorchDeviceBackend._detect_device_type`` from 0.41) have that cache cleared when a
-      simulation starts and when it ends, so they answer ``cuda`` inside and ``cpu`` after.
+    * Libraries that cache which accelerator the machine has (diffusers) have that cache cleared
+      when a simulation starts and when it ends (:mod:`._sim_probes`).
 
 What is not simulated
     * Autograd: the simulator is for inference. An op that would record autograd history on a
@@ -70,7 +68,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-import sys
 import types
 from typing import Any, Iterator, List, Sequence, Tuple, Union
 
@@ -81,6 +78,7 @@ from ._sim_autograd import SimulatedAutogradError
 from ._sim_devices import clear_parse_cache, parse_device
 from ._sim_machine import MemorySpec, SimulatedDeviceProperties, SimulatedMachine, format_size, parse_memory
 from ._sim_mode import SimulationMode
+from ._sim_probes import forget_cached_probes
 from ._sim_storages import tag_storage
 
 __all__ = [
@@ -292,25 +290,6 @@ def _submit(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
     return _real_submit(self, _in_simulation(fn), *args, **kwargs)
 
 
-#: ``(module, attribute path)``: library functions that cache which accelerator the machine has
-_CACHED_PROBES = (
-    ("diffusers.utils.torch_utils", "get_device"),
-    ("diffusers.utils.torch_utils", "TorchDeviceBackend._detect_device_type"),
-)
-
-
-def _forget_cached_probes() -> None:
-    """Clear the caches of :data:`_CACHED_PROBES` that are loaded (a module not imported yet has
-    nothing cached; a release without the function or without a cache is left alone)."""
-    for module_name, path in _CACHED_PROBES:
-        probe: Any = sys.modules.get(module_name)
-        for name in path.split("."):
-            probe = getattr(probe, name, None)
-        clear = getattr(probe, "cache_clear", None)
-        if callable(clear):
-            clear()
-
-
 def _install(patcher: _Patcher) -> None:
     # transformers >= 5 materialises checkpoint tensors in a ThreadPoolExecutor
     patcher.set(concurrent.futures.ThreadPoolExecutor, "submit", _submit)
@@ -371,7 +350,7 @@ def simulated_gpus(
     try:
         _sim_cuda.start()
         _install(patcher)
-        _forget_cached_probes()
+        forget_cached_probes()
         machine._patched = patcher.targets  # type: ignore[attr-defined]
         mode.__enter__()
         entered = True
@@ -391,7 +370,7 @@ def simulated_gpus(
             _sim_cuda.stop()
             machine._drop_all()
             patcher.restore()
-            _forget_cached_probes()
+            forget_cached_probes()
 
 
 def active_machine() -> Any:

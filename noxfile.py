@@ -119,7 +119,7 @@ for _name, _lock, _version in tuple((s, s, PYTHON) for s in STACKS) + OTHER_PYTH
 
 @nox.session(python=PYTHON, venv_backend="none")
 def lock(session: nox.Session) -> None:
-    """Recompile stacks/*.txt from stacks/*.in."""
+    """Recompile stacks/*.txt from stacks/*.in (current-runtime.txt from current.txt's versions)."""
     platform = ("--python-platform", "x86_64-manylinux_2_28")
     session.run("uv", "pip", "compile", "-q", "--universal", "--python-version", PYTHONS[0], "stacks/test.in",
                 "-o", "stacks/test.txt", external=True)
@@ -128,3 +128,6 @@ def lock(session: nox.Session) -> None:
         source = f"stacks/{name.split('-py')[0]}.in"
         session.run("uv", "pip", "compile", "-q", "--python-version", version, *platform, source,
                     "-o", f"stacks/{lock_name}.txt", external=True)
+    # the quick start's runtime stack: current.txt's versions, less the test tools, so the two cannot drift
+    session.run("uv", "pip", "compile", "-q", "--python-version", PYTHON, *platform, "stacks/current-runtime.in",
+                "-c", "stacks/current.txt", "-o", "stacks/current-runtime.txt", external=True)

@@ -7,6 +7,8 @@
 
 Each stack is pinned completely in ``stacks/<name>.txt`` (compiled from ``stacks/<name>.in`` with
 ``uv pip compile``), so a run next month installs the same thing. ``nox -s lock`` recompiles them.
+``stacks/current-runtime.txt`` (what the README's quick start installs) is ``current.txt`` less the
+test tools; ``stacks/package.txt`` pins the build backend and twine of the ``package`` session.
 ``stacks/test.txt`` is one lock for every supported Python (3.9-3.13); ``legacy-2024-py3.10`` is
 the legacy-2024 stack on Python 3.10, the Python its users run. Virtualenvs are made with uv, whose
 cache keeps the multi-GB CUDA wheels of torch between runs. Interpreters are found on PATH or, where
@@ -117,9 +119,54 @@ for _name, _lock, _version in tuple((s, s, PYTHON) for s in STACKS) + OTHER_PYTH
     globals()[f"session_{_name.replace('-', '_').replace('.', '_')}"] = _stack_session(_name, _lock, _version)
 
 
+nox.options.sessions.append("package")
+#: the matrix row ``nox -s package`` replays with the installed wheel: quick, and it applies on current
+PACKAGE_DEMO_ROW = "bnb-int8-stats-stay-on-old-device"
+#: run with DEVMAP_SHIMS=1 and no import of devmap_shims: the .pth line must have installed the wheel's shims
+_AUTO_ENABLE_CHECK = """
+import os, sys
+engine = sys.modules.get("devmap_shims")
+assert engine is not None, "DEVMAP_SHIMS=1 did not load devmap_shims at start-up"
+assert engine.__file__.startswith(os.path.realpath(sys.argv[1])), engine.__file__
+status = engine.status()
+assert engine.is_installed() and status["auto_enabled"], status
+print("DEVMAP_SHIMS=1: shims installed at start-up from", os.path.dirname(engine.__file__))
+"""
+#: run without the variable: start-up must not have imported any devmap_shims module
+_NO_AUTO_ENABLE_CHECK = "import sys; on = [m for m in sys.modules if 'devmap_shims' in m]; assert not on, on"
+
+
+@nox.session(python=interpreter(PYTHON))
+def package(session: nox.Session) -> None:
+    """Release check: build the sdist and the wheel from it, check both, install the wheel, run it.
+
+    The wheel (not the checkout) goes into a fresh virtualenv with stacks/current-runtime.txt; the
+    demo and the DEVMAP_SHIMS=1 auto-enable run from there."""
+    session.install("-r", "stacks/package.txt")  # hatchling, twine and uv, pinned
+    tmp = os.path.abspath(session.create_tmp())
+    dist, venv = os.path.join(tmp, "dist"), os.path.join(tmp, "wheel-venv")
+    for path in (dist, venv):
+        shutil.rmtree(path, ignore_errors=True)
+    # the sdist, then the wheel built from the sdist; hatchling pinned as a build constraint
+    session.run("uv", "build", "-q", "--build-constraint", "stacks/package.txt", "-o", dist)
+    built = sorted(glob.glob(os.path.join(dist, "devmap_shims-*")))
+    session.run("twine", "check", "--strict", *built)
+    session.run("python", "scripts/check_dist.py", dist)
+    (wheel,) = (path for path in built if path.endswith(".whl"))
+    python = os.path.join(venv, "bin", "python")
+    session.run("uv", "venv", "-q", "--python", interpreter(PYTHON), venv)
+    session.run("uv", "pip", "install", "-q", "--python", python, "-r", "stacks/current-runtime.txt", wheel)
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": None, "DEVMAP_SHIMS": None}
+    with session.chdir(tmp):  # away from the checkout: only the installed wheel can be imported
+        devmap_shims = os.path.join(venv, "bin", "devmap-shims")
+        session.run(devmap_shims, "demo", PACKAGE_DEMO_ROW, env=env, external=True)
+        session.run(python, "-c", _AUTO_ENABLE_CHECK, venv, env=dict(env, DEVMAP_SHIMS="1"), external=True)
+        session.run(python, "-c", _NO_AUTO_ENABLE_CHECK, env=env, external=True)
+
+
 @nox.session(python=PYTHON, venv_backend="none")
 def lock(session: nox.Session) -> None:
-    """Recompile stacks/*.txt from stacks/*.in."""
+    """Recompile stacks/*.txt from stacks/*.in (current-runtime.txt from current.txt's versions)."""
     platform = ("--python-platform", "x86_64-manylinux_2_28")
     session.run("uv", "pip", "compile", "-q", "--universal", "--python-version", PYTHONS[0], "stacks/test.in",
                 "-o", "stacks/test.txt", external=True)
@@ -128,3 +175,9 @@ def lock(session: nox.Session) -> None:
         source = f"stacks/{name.split('-py')[0]}.in"
         session.run("uv", "pip", "compile", "-q", "--python-version", version, *platform, source,
                     "-o", f"stacks/{lock_name}.txt", external=True)
+    session.run("uv", "pip", "compile", "-q", "--python-version", PYTHON, *platform, "stacks/package.in",
+                "-o", "stacks/package.txt", external=True)
+    # the quick start's runtime stack: current.txt's versions, less the test tools, so the two cannot drift
+    session.run("uv", "pip", "compile", "-q", "--python-version", PYTHON, *platform,
+                "stacks/current-runtime.in", "-c", "stacks/current.txt", "-o", "stacks/current-runtime.txt",
+                external=True)

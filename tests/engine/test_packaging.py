@@ -1,33 +1,34 @@
-"""Fresh virtualenvs: the .pth auto-enable after `pip install .` and `pip install -e .`, and plugins.
+"""Fresh virtualenvs: the .pth auto-enable after `pip install .` and `pip install -e .`, and plugins;
+the release check of the sdist and wheel; the README's quick start and the runtime stack it installs.
 
-These build real distributions, so they take tens of seconds; they need PyPI (or a warm pip/uv
-cache) for hatchling, wrapt and packaging.
+The tests marked slow build real distributions, so they take tens of seconds; they need PyPI (or a
+warm pip/uv cache) for hatchling, wrapt and packaging.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = [
-    pytest.mark.slow,
-    # packaging does not depend on the target libraries: build the virtualenvs once per CI run
-    pytest.mark.skipif(
-        os.environ.get("DEVMAP_STACK") not in (None, "engine"), reason="packaging tests run in the engine session"
-    ),
-    # they make virtualenvs and install into them with uv (stacks/test.txt has it; the test extra does not)
-    pytest.mark.skipif(
-        __import__("importlib.util").util.find_spec("uv") is None,
-        reason="needs uv (`python -m uv`): pip install uv, or use stacks/test.txt",
-    ),
-]
+STACKS = REPO / "stacks"
+# packaging does not depend on the target libraries: build the virtualenvs once per CI run
+pytestmark = pytest.mark.skipif(
+    os.environ.get("DEVMAP_STACK") not in (None, "engine"), reason="packaging tests run in the engine session"
+)
+# the tests that build distributions install them with uv (stacks/test.txt has it; the test extra does not)
+needs_uv = pytest.mark.skipif(
+    __import__("importlib.util").util.find_spec("uv") is None,
+    reason="needs uv (`python -m uv`): pip install uv, or use stacks/test.txt",
+)
 
 
 def sh(*cmd, env=None, check=True, cwd=None) -> subprocess.CompletedProcess:
@@ -51,6 +52,8 @@ def make_venv(path: Path) -> Path:
 PROBE = "import devmap_shims, sys; print(devmap_shims.is_installed(), devmap_shims.__file__)"
 
 
+@pytest.mark.slow
+@needs_uv
 @pytest.mark.parametrize("editable", [False, True], ids=["pip-install", "pip-install-editable"])
 def test_pth_auto_enable_in_fresh_virtualenv(tmp_path, editable):
     python = make_venv(tmp_path / "venv")
@@ -141,6 +144,8 @@ def write_plugin(root: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
+@needs_uv
 def test_plugin_distribution_shim_and_row(tmp_path):
     python = make_venv(tmp_path / "venv")
     plugin = write_plugin(tmp_path / "plugin")
@@ -163,3 +168,83 @@ def test_plugin_distribution_shim_and_row(tmp_path):
     assert "acme-plugin:compute-off-by-100" in ids
     no_plugins = sh(python, "-c", code, env=clean_env(DEVMAP_SHIMS_NO_PLUGINS="1"), cwd=tmp_path)
     assert json.loads(no_plugins.stdout) == {"value": 2, "shim": []}
+
+
+def pins(lock: Path) -> dict:
+    """name -> version of a uv-compiled lock file."""
+    found = {}
+    for line in lock.read_text().splitlines():
+        if line and not line.startswith((" ", "#", "-")):
+            name, _, version = line.split(";")[0].strip().partition("==")
+            found[name] = version
+    return found
+
+
+def quick_start_commands() -> list:
+    section = re.search(r"^## Quick start\n(.*?)^## ", (REPO / "README.md").read_text(), re.S | re.M).group(1)
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_quick_start_makes_a_virtualenv_first_and_names_files_that_exist():
+    """A system Python under PEP 668 refuses pip install: the first command makes the virtualenv."""
+    first, second = quick_start_commands()
+    steps = [step.strip() for step in first.split("&&")]
+    assert steps[0].startswith("python3 -m venv "), first
+    venv = steps[0].split()[-1]
+    assert steps[1] == f". {venv}/bin/activate", first
+    assert any(step.startswith("pip install ") for step in steps[2:]), first
+    assert steps[-1].startswith("devmap-shims demo"), first
+    named = re.findall(r"-r (\S+)", first + " " + second)
+    assert named == ["stacks/current-runtime.txt"]
+    for path in named:
+        assert (REPO / path).is_file(), path
+    assert "python3 -m nox" in second
+
+
+def test_runtime_stack_is_current_without_the_test_tools():
+    """stacks/current-runtime.txt is current.txt's versions, less what only the tests need."""
+    runtime, current = pins(STACKS / "current-runtime.txt"), pins(STACKS / "current.txt")
+    drifted = {name: (pin, current.get(name)) for name, pin in runtime.items() if current.get(name) != pin}
+    assert drifted == {}, "relock with `nox -s lock`: the runtime stack differs from current.txt"
+    targets = {"torch", "transformers", "accelerate", "bitsandbytes", "diffusers", "peft"}
+    targets |= {"wrapt", "packaging"}  # devmap-shims' own dependencies
+    assert targets <= set(runtime)
+    test_tools = {line.split("==")[0] for line in (STACKS / "test.in").read_text().splitlines()
+                  if line and not line.startswith("#")} - targets
+    assert test_tools and not test_tools & set(runtime), test_tools & set(runtime)
+    assert "-r current-runtime.in" in (STACKS / "current.in").read_text().splitlines()
+
+
+def check_dist(folder: Path) -> subprocess.CompletedProcess:
+    return sh(sys.executable, REPO / "scripts" / "check_dist.py", folder, check=False)
+
+
+@pytest.mark.slow
+@needs_uv
+def test_release_check_passes_the_built_distributions_and_names_what_is_missing(tmp_path):
+    dist = tmp_path / "dist"
+    # the newest hatchling for this Python (nox -s package pins the one of stacks/package.txt, for 3.10+)
+    sh(sys.executable, "-m", "uv", "build", "-q", "-o", dist, REPO, env=clean_env())
+    good = check_dist(dist)
+    assert good.returncode == 0, good.stderr
+    (wheel,) = dist.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        startup = {"devmap_shims.pth", "devmap_shims.start", "_devmap_shims_start.py"}
+        assert startup | {"devmap_shims/py.typed"} <= set(names)
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
+        # a wheel that lost its start-up line and its licence, and gained a stray top-level module
+        lost = ("devmap_shims.pth", next(n for n in names if n.endswith(".dist-info/licenses/LICENSE")))
+        broken = {name: archive.read(name) for name in names if name not in lost}
+    broken["conftest.py"] = b""
+    wheel.unlink()
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, data in broken.items():
+            archive.writestr(name, data)
+    bad = check_dist(dist)
+    assert bad.returncode == 1
+    assert "devmap_shims.pth is missing" in bad.stderr
+    assert "licenses/LICENSE is missing" in bad.stderr
+    assert "conftest.py" in bad.stderr

@@ -56,6 +56,11 @@ def execution_device(module: Any) -> Any:
     return None
 
 
+def any_hooks(model: Any) -> bool:
+    """Whether accelerate hooked ``model`` or any of its submodules."""
+    return any(hooks_of(module) for module in model.modules())
+
+
 def any_offloading(model: Any) -> bool:
     """Whether a hook anywhere in ``model`` keeps weights off their execution device."""
     return any(is_offloading(hook) or is_model_cpu_offload(hook) for module in model.modules() for hook in hooks_of(module))

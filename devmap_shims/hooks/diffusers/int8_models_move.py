@@ -30,7 +30,7 @@ TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/r
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from devmap_shims.devices.accelerate_hooks import any_offloading, as_device, hooks_of, remove_hooks
+from devmap_shims.devices.accelerate_hooks import any_hooks, any_offloading, as_device, remove_hooks
 from devmap_shims.devices.bnb_params import bnb_moves_8bit
 from devmap_shims.devices.int8_state import align_int8_state, is_int8_linear
 from devmap_shims.scenarios import BugObserved, ScenarioUnavailable, scenario
@@ -57,7 +57,7 @@ def move_8bit_model(model: Any, device: Any) -> Any:
     """Move an 8-bit model whole: alignment hooks off, weights moved, ``Linear8bitLt`` state re-pointed."""
     import torch
 
-    if any(hooks_of(module) for module in model.modules()):  # the model itself included
+    if any_hooks(model):  # the model itself included
         remove_hooks(model)
     torch.nn.Module.to(model, device)
     for module in model.modules():

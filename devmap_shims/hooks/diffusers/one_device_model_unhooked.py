@@ -23,7 +23,7 @@ TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/r
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Tuple
 
-from devmap_shims.devices.accelerate_hooks import any_offloading, hooks_of, one_gpu, remove_hooks
+from devmap_shims.devices.accelerate_hooks import any_hooks, any_offloading, one_gpu, remove_hooks
 from devmap_shims.devices.bnb_params import bnb_movable
 from devmap_shims.scenarios import BugObserved, scenario
 from devmap_shims.shims import LazyLogger, Shim, Target
@@ -38,7 +38,7 @@ def unhook_one_device_model(wrapped: Callable[..., Any], instance: Any, args: Tu
     model = wrapped(*args, **kwargs)
     device_map = getattr(model, "hf_device_map", None)
     if (
-        one_gpu(device_map) and hasattr(model, "modules") and any(hooks_of(m) for m in model.modules())
+        one_gpu(device_map) and hasattr(model, "modules") and any_hooks(model)
         and not any_offloading(model) and bnb_movable(model)
     ):
         remove_hooks(model)

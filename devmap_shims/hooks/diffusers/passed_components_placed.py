@@ -35,7 +35,7 @@ TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/r
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Optional, Tuple
 
-from devmap_shims.devices.accelerate_hooks import as_device, execution_device, hooks_of
+from devmap_shims.devices.accelerate_hooks import any_hooks, as_device, execution_device
 from devmap_shims.devices.bnb_params import bnb_kinds, bnb_movable
 from devmap_shims.scenarios import BugObserved, ScenarioUnavailable, scenario
 from devmap_shims.shims import LazyLogger, Shim, Target, with_context
@@ -67,10 +67,6 @@ def _other_quantization(module: Any) -> Optional[str]:
     return None if method in (None, "bitsandbytes") else str(method)
 
 
-def _hooked(module: Any) -> bool:
-    return any(hooks_of(sub) for sub in module.modules())
-
-
 def _dispatch(module: Any, gpu: Any) -> None:
     """``module`` on ``gpu`` with the hook diffusers' ``load_sub_model`` gives the components it loads."""
     from accelerate import dispatch_model
@@ -99,7 +95,7 @@ def place(context: Any, name: str, module: Any, gpu: Any, device_map: Any) -> st
         )
         return "left"
 
-    if _hooked(module):
+    if any_hooks(module):
         runs_on = execution_device(module)
         if runs_on is not None and runs_on == target:
             return "already"

@@ -84,7 +84,8 @@ def not_affected_reason(row: Any, versions: Dict[str, Optional[str]]) -> Optiona
 
     Installed past the range: ``"fixed in transformers 4.46.0"`` (from ``fixed_in``); before it:
     ``"introduced in accelerate 1.15.0"`` for the library the bug lives in, ``"needs bitsandbytes
-    >=0.48.0"`` for another; ``"diffusers is not installed"``; otherwise the version and the range.
+    >=0.48.0"`` for another; ``"diffusers is not installed"``; for a version the range excludes
+    (``!=4.49.*``): ``"transformers 4.49.0 is left out of >=4.45.0,<4.51.0,!=4.49.*"``.
     """
     from devmap_shims.compat_matrix import requirement_text
     from devmap_shims.versions import release_tuple, version_in
@@ -109,7 +110,7 @@ def not_affected_reason(row: Any, versions: Dict[str, Optional[str]]) -> Optiona
             if lower and dist == row.library:
                 return f"introduced in {dist} {lower}"
             return f"needs {requirement_text(dist, spec)}"
-        return f"{dist} {version} is outside {spec}"
+        return f"{dist} {version} is left out of {spec}"  # an exclusion such as !=4.49.*
     return None
 
 
@@ -403,7 +404,9 @@ def _block(bug: Dict[str, Any], replays: List[Dict[str, Any]], marks: Dict[str, 
     lines = wrap(bug["bug_id"], f"{label}  ", "    ")
     lines += wrap(bug["title"], "    ")
     if status == "problem" and not bug["affected_here"]:
-        lines += wrap(f"not affected here ({bug['not_affected_reason']}), but the replay failed:", "    ")
+        lines += wrap(f"not affected here: {bug['not_affected_reason']}", "    ")
+    if status == "shim-not-replayed":  # its replays were unavailable: "not replayed" below says why
+        replays = []
     several = len(replays) > 1
     for r in replays:
         pad = "    "
@@ -450,11 +453,15 @@ def render(bugs: List[Dict[str, Any]], rows: List[Dict[str, Any]], versions: Dic
     out = wrap(f"Installed: {installed}.", later="  ")
     out += wrap(f"Replayed on simulated GPUs, without the shims and with them; the compat matrix has "
                 f"{_plural(summary['rows'], 'row', 'rows')}{' asked for' if selected else ''}.")
-    blocks = [b for b in bugs if b["affected_here"] or b["status"] == "problem"]
-    if blocks:
-        out += ["", f"Known bugs that apply to your stack ({summary['applicable']}):"]
-        for bug in blocks:
-            out += [""] + _block(bug, replays.get(bug["bug_id"], []), marks)
+    for heading, blocks in (
+        ("Known bugs that apply to your stack", [b for b in bugs if b["affected_here"]]),
+        ("Rows that do not apply here, yet their replay failed",
+         [b for b in bugs if not b["affected_here"] and b["status"] == "problem"]),
+    ):
+        if blocks:
+            out += ["", f"{heading} ({len(blocks)}):"]
+            for bug in blocks:
+                out += [""] + _block(bug, replays.get(bug["bug_id"], []), marks)
     others = [b for b in bugs if b["status"] == "not-affected"]
     groups = (
         ("Not affected here; replayed, the libraries behave", lambda b: b["replayed"] == "works"),

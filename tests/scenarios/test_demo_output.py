@@ -56,6 +56,11 @@ def test_every_row_that_does_not_apply_says_why_in_terms_of_its_range():
             dist, spec = match.groups()
             assert row.affected[dist] == spec and not version_in(VERSIONS[dist], spec), row.id
             continue
+        match = re.fullmatch(r"(\S+) (\S+) is left out of (\S+)", reason)
+        if match:
+            dist, version, spec = match.groups()
+            assert version == VERSIONS[dist] and spec == row.affected[dist] and "!=" in spec, row.id
+            continue
         match = re.fullmatch(r"(\S+) is not installed", reason)
         assert match and VERSIONS.get(match.group(1)) is None, (row.id, reason)
 
@@ -128,6 +133,9 @@ def test_a_replay_that_reproduces_and_fixes_a_bug_counts_as_fixed_and_a_failed_o
     text = demo.render([fixed], [replay], VERSIONS)
     assert max(len(line) for line in text.splitlines()) <= demo.WIDTH
     assert any(line.rstrip().endswith("...") for line in text.splitlines())  # the long error is elided
+    text = demo.render([broken], [dict(replay, verdict="NOT FIXED")], VERSIONS)
+    assert re.search(rf"^\S PROBLEM  {re.escape(row.id)}$", text, re.M) and "verdict: NOT FIXED" in text
+    assert _closing_numbers(text) == [1, 0, 0, 0, 1]
 
 
 def test_wrapping_never_cuts_a_version_range_or_a_name_from_its_version():
@@ -206,10 +214,11 @@ def test_a_real_run_prints_no_library_progress_or_warning_fits_100_columns_and_a
     assert applies == (1 if fixed_row else 0) and problems == 0
     assert fixed == sum(1 for line in out_lines if re.match(r"\S fixed  \S", line)) == applies
     assert by_shim == workaround == 0
-    if other_row:  # replayed and working, with the reason it does not apply
+    if other_row:  # replayed (working) or unavailable here, with the reason it does not apply
         reason = demo.not_affected_reason(other_row, VERSIONS)
         assert any(re.fullmatch(rf"  {re.escape(other_row.id)} +{re.escape(reason)}", line) for line in out_lines)
-        assert "Not affected here; replayed, the libraries behave (1):" in out_lines
+        assert {"Not affected here; replayed, the libraries behave (1):",
+                "Not affected here; no scenario that runs on this stack (1):"} & set(out_lines), proc.stdout
 
 
 def test_json_keeps_every_row_with_why_it_does_not_apply():

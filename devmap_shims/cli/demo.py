@@ -1,65 +1,249 @@
-"""``devmap-shims demo``: replay the known bugs on simulated GPUs, without and with the shims.
+"""``devmap-shims demo``: the whole compat matrix against the installed stack, on simulated GPUs.
+
+Every known bug that applies here and has a scenario is replayed twice, without the shims (the bug
+shows) and with them (it does not). Every other row is accounted for in one line: why it does not
+apply ("fixed in transformers 4.46.0", "introduced in accelerate 1.15.0"), or, for a row that
+applies but cannot be replayed, what covers it (a shim, a workaround). Rows that do not apply are
+replayed too while the time budget lasts (``--all``: every one), to show the library behaving.
 
 Needs no GPU, no network and no weights: every scenario builds a tiny model from a config in code
-and runs it on the simulated multi-GPU machine of :mod:`devmap_shims.testing`.
+and runs it on the simulated multi-GPU machine of :mod:`devmap_shims.testing`. The libraries'
+progress bars and warnings are switched off and whatever a scenario prints is kept out of the
+report; the only other output is one progress line per replay on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import re
 import sys
-from typing import Any, Dict, List
+import time
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from devmap_shims.cli._output import UsageError, table
+from devmap_shims.cli._output import UsageError
+
+#: the report's width: every line fits
+WIDTH = 100
+#: seconds after the start past which rows that do not apply are no longer replayed (``--all``: no limit)
+REPLAY_BUDGET_S = 60.0
+#: ``schema_version`` of ``demo --json``; 2 added ``versions``, ``summary`` and ``bugs``
+SCHEMA_VERSION = 2
+
+#: a verdict of a scenario that means something is wrong
+PROBLEM_VERDICTS = ("NOT FIXED", "UNEXPECTED FAILURE", "not reproduced")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    parser.add_argument("--all", action="store_true", help="also replay rows that do not apply to the installed stack")
-    parser.add_argument("ids", nargs="*", metavar="ID", help="only these matrix rows")
+    parser.add_argument("--json", action="store_true", help="print every row and replay as JSON")
+    parser.add_argument(
+        "--all", action="store_true",
+        help=f"replay the scenarios of rows that do not apply too, all of them (by default: while "
+             f"the first {REPLAY_BUDGET_S:.0f} s last)",
+    )
+    parser.add_argument("ids", nargs="*", metavar="ID", help="only these matrix rows (replayed whether they apply or not)")
 
 
-def collect(ids: List[str], include_all: bool, progress: Any = None) -> List[Dict[str, Any]]:
+# -- why a row does not apply -------------------------------------------------------------------
+def _side(version: str, spec: str) -> Optional[str]:
+    """``"above"`` when ``version`` is past the upper end of ``spec``, ``"below"`` when it comes
+    before its lower end, None otherwise (an excluded version such as ``!=4.49.*``)."""
+    from packaging.specifiers import SpecifierSet
+
+    from devmap_shims.versions import release_tuple, version_in
+
+    have = release_tuple(version)
+    for item in SpecifierSet(spec):
+        if version_in(version, str(item)):
+            continue
+        if item.operator == "!=" or item.version.endswith(".*"):
+            return None
+        bound = release_tuple(item.version)
+        if item.operator in (">=", ">", "~="):
+            return "below"
+        if item.operator in ("<", "<="):
+            return "above"
+        if item.operator in ("==", "==="):
+            return "above" if have > bound else "below"
+    return None
+
+
+def _lower_bound(spec: str) -> Optional[str]:
+    from packaging.specifiers import SpecifierSet
+
+    for item in SpecifierSet(spec):
+        if item.operator in (">=", "==", "~=") and not item.version.endswith(".*"):
+            return item.version
+    return None
+
+
+def not_affected_reason(row: Any, versions: Dict[str, Optional[str]]) -> Optional[str]:
+    """Why ``row`` does not apply to ``versions``, in a few words; None when it applies.
+
+    Installed past the range: ``"fixed in transformers 4.46.0"`` (from ``fixed_in``); before it:
+    ``"introduced in accelerate 1.15.0"`` for the library the bug lives in, ``"needs bitsandbytes
+    >=0.48.0"`` for another; ``"diffusers is not installed"``; for a version the range excludes
+    (``!=4.49.*``): ``"transformers 4.49.0 is left out of >=4.45.0,<4.51.0,!=4.49.*"``.
+    """
+    from devmap_shims.compat_matrix import requirement_text
+    from devmap_shims.versions import release_tuple, version_in
+
+    for dist, spec in row.affected.items():
+        version = versions.get(dist)
+        if version is None:
+            return f"{dist} is not installed"
+        try:
+            if version_in(version, spec):
+                continue
+            side = _side(version, spec)
+        except ValueError:
+            return f"{dist} {version} is not a comparable version"
+        if side == "above":
+            fixed = None if row.unfixed else row.fixed_in.get(dist)
+            if fixed and release_tuple(fixed) <= release_tuple(version):
+                return f"fixed in {dist} {fixed}"
+            return f"affects {requirement_text(dist, spec)} only"
+        if side == "below":
+            lower = _lower_bound(spec)
+            if lower and dist == row.library:
+                return f"introduced in {dist} {lower}"
+            return f"needs {requirement_text(dist, spec)}"
+        return f"{dist} {version} is left out of {spec}"  # an exclusion such as !=4.49.*
+    return None
+
+
+# -- replaying ----------------------------------------------------------------------------------
+def quiet_libraries() -> None:
+    """No progress bar and no library warning in the report: set before the libraries are imported
+    (tqdm reads ``TQDM_DISABLE`` when it is imported), and again on the loggers."""
+    import logging
+    import os
+    import warnings
+
+    for name, value in (
+        ("TQDM_DISABLE", "1"),
+        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+        ("TRANSFORMERS_VERBOSITY", "error"),
+        ("DIFFUSERS_VERBOSITY", "error"),
+        ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"),
+        ("BITSANDBYTES_NOWELCOME", "1"),
+        ("HF_HUB_OFFLINE", "1"),
+    ):
+        os.environ[name] = value
+    for name in ("transformers", "diffusers", "accelerate", "bitsandbytes", "huggingface_hub", "torch", "peft"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    try:  # tiny models: one thread is faster than contending for two cores
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+
+
+def _silence_loaded_libraries() -> None:
+    """Progress bars of libraries imported already (tqdm read its environment before ours)."""
+    modules = sys.modules
+    for name, call in (
+        ("transformers.utils.logging", "disable_progress_bar"),
+        ("diffusers.utils.logging", "disable_progress_bar"),
+        ("huggingface_hub.utils", "disable_progress_bars"),
+    ):
+        module = modules.get(name)
+        if module is not None and callable(getattr(module, call, None)):
+            try:
+                getattr(module, call)()
+            except Exception:  # a library's switch must not stop the demo
+                pass
+
+
+@contextmanager
+def _captured() -> Iterator[io.StringIO]:
+    """What a scenario writes to stdout and stderr (a stray bar, a print) stays out of the report."""
+    buffer = io.StringIO()
+    with redirect_stdout(buffer), redirect_stderr(buffer):
+        try:
+            yield buffer
+        finally:
+            _silence_loaded_libraries()
+
+
+def collect(
+    ids: List[str],
+    replay_all: bool,
+    progress: Optional[Callable[[str], None]] = None,
+    budget: float = REPLAY_BUDGET_S,
+    start: Optional[float] = None,
+) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]], Dict[str, Optional[str]]]:
+    """Replay and account for the matrix rows (``ids``: only those, every one replayed).
+
+    Returns ``(bugs, rows, versions)``: one entry per matrix row (see :func:`bug_entry`), one per
+    replayed scenario (the ``rows`` of ``--json``) and the installed versions. Rows that apply are
+    replayed first; the others while ``budget`` seconds have not passed since ``start`` (a
+    ``time.perf_counter()``; default: now), and always with ``replay_all``.
+    """
     from devmap_shims.compat_matrix import load_matrix
     from devmap_shims.scenarios import all_scenarios
-    from devmap_shims.scenarios.replay import replay
     from devmap_shims.shims.catalog import builtin_shims, shim_of_rows
-    from devmap_shims.versions import installed_versions
+    from devmap_shims.versions import TARGET_DISTRIBUTIONS, installed_versions
 
+    start = time.perf_counter() if start is None else start
     matrix = load_matrix()
     scenarios = all_scenarios()
-    shim_of = shim_of_rows(builtin_shims()[0])
-    versions = installed_versions(matrix.distributions())
+    shims = builtin_shims()[0]
+    shim_of = shim_of_rows(shims)
+    summary_of = {shim.id: shim.summary for shim in shims}
+    versions = installed_versions(sorted(set(matrix.distributions()) | set(TARGET_DISTRIBUTIONS)))
     for bug_id in ids:
         matrix.get(bug_id)  # KeyError with suggestions for a typo
-    rows = []
-    for row in matrix.rows:
-        if ids and row.id not in ids:
-            continue
-        applies, why = row.applicability(versions)
-        if not (applies or include_all or ids):
+    chosen = [row for row in matrix.rows if not ids or row.id in ids]
+    applies = {row.id: row.applicability(versions) for row in chosen}
+    order = [r for r in chosen if applies[r.id][0]] + [r for r in chosen if not applies[r.id][0]]
+    total = sum(len(scenarios.get(r.id, [])) for r in order)
+    done = 0
+    replays: Dict[str, List[Dict[str, Any]]] = {}
+    skipped: Dict[str, bool] = {}
+    for row in order:
+        affected, why = applies[row.id]
+        items = scenarios.get(row.id, [])
+        if items and not (affected or ids or replay_all) and time.perf_counter() - start > budget:
+            skipped[row.id] = True
+            done += len(items)
             continue
         shim = shim_of.get(row.id)
-        for item in scenarios.get(row.id, []):
+        for item in items:
+            done += 1
             if progress:
-                progress(f"replaying {row.id} ({item.name}) ...")
-            without = replay(item, shims=False)
-            with_shims = replay(item, shims=True, shim_id=shim) if shim else None
-            rows.append(
-                {
-                    "bug_id": row.id,
-                    "scenario": item.name,
-                    "title": item.title,
-                    "affected_here": applies,
-                    "applicability": why,
-                    "shim": shim,
-                    "without_shims": without.as_dict(),
-                    "with_shims": with_shims.as_dict() if with_shims else None,
-                    "verdict": _verdict(applies, without, with_shims),
-                }
-            )
-    return rows
+                progress(f"[{done}/{total}] replaying {row.id} ...")
+            replays.setdefault(row.id, []).append(_replay_row(row.id, item, affected, why, shim))
+    bugs = [
+        bug_entry(row, applies[row.id], versions, shim_of.get(row.id), summary_of, replays.get(row.id, []),
+                   skipped.get(row.id, False))
+        for row in chosen
+    ]
+    rows = [entry for row in chosen for entry in replays.get(row.id, [])]
+    return bugs, rows, versions
+
+
+def _replay_row(bug_id: str, item: Any, affected: bool, why: str, shim: Optional[str]) -> Dict[str, Any]:
+    from devmap_shims.scenarios.replay import replay
+
+    with _captured():
+        without = replay(item, shims=False)
+        with_shims = replay(item, shims=True, shim_id=shim) if shim and not without.unavailable else None
+    return {
+        "bug_id": bug_id,
+        "scenario": item.name,
+        "title": item.title,
+        "affected_here": affected,
+        "applicability": why,
+        "shim": shim,
+        "without_shims": without.as_dict(),
+        "with_shims": with_shims.as_dict() if with_shims else None,
+        "verdict": _verdict(affected, without, with_shims),
+    }
 
 
 def _verdict(applies: bool, without: Any, with_shims: Any) -> str:
@@ -75,69 +259,270 @@ def _verdict(applies: bool, without: Any, with_shims: Any) -> str:
     return "ok (not affected)" if ok else "UNEXPECTED FAILURE"
 
 
-def _quiet_libraries() -> None:
-    """Progress bars and library warnings would drown the table."""
-    import logging
-    import os
+def _first_sentence(text: Optional[str]) -> str:
+    text = " ".join((text or "").split())
+    for end in (". ", ".\n"):
+        if end in text:
+            return text[: text.index(end) + 1]
+    return text
 
-    for name, value in (
-        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
-        ("TRANSFORMERS_VERBOSITY", "error"),
-        ("DIFFUSERS_VERBOSITY", "error"),
-        ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"),
-        ("HF_HUB_OFFLINE", "1"),
+
+def bug_entry(
+    row: Any, applicability: Tuple[bool, str], versions: Dict[str, Optional[str]], shim: Optional[str],
+    summary_of: Dict[str, str], replays: List[Dict[str, Any]], skipped: bool,
+) -> Dict[str, Any]:
+    """One matrix row's part of the story: ``status`` is ``fixed`` (replayed: the bug shows without
+    the shim, not with it), ``shim-not-replayed`` (applies, a shim covers it, no scenario runs
+    here), ``workaround-only`` (applies, no shim), ``problem`` (a replay went wrong) or
+    ``not-affected`` (with ``not_affected_reason`` and ``replayed``: ``works``, ``skipped`` for
+    the time budget, ``unavailable`` or None when it has no scenario)."""
+    affected, why = applicability
+    verdicts = [r["verdict"] for r in replays]
+    ran = [v for v in verdicts if v != "unavailable"]
+    if any(v in PROBLEM_VERDICTS for v in verdicts):
+        status = "problem"
+    elif not affected:
+        status = "not-affected"
+    elif shim is None:
+        status = "workaround-only"
+    elif ran and all(v == "fixed" for v in ran):
+        status = "fixed"
+    else:
+        status = "shim-not-replayed"
+    if not replays:
+        replayed = "skipped" if skipped else None
+    elif ran:
+        replayed = "works" if not affected and all(v == "ok (not affected)" for v in ran) else "reproduced"
+    else:
+        replayed = "unavailable"
+    not_replayed_because = None
+    if status == "shim-not-replayed":
+        not_replayed_because = (
+            "; ".join(r["without_shims"]["detail"] for r in replays) if replays
+            else _first_sentence(row.no_scenario) or "no scenario yet"
+        )
+    return {
+        "bug_id": row.id,
+        "title": row.title,
+        "library": row.library,
+        "affected_here": affected,
+        "applicability": why,
+        "not_affected_reason": None if affected else not_affected_reason(row, versions),
+        "fixed_in": row.fixed_in_text,
+        "shim": shim,
+        "shim_summary": summary_of.get(shim) if shim else None,
+        "workaround": " ".join(row.workaround.split()) or None,
+        "scenarios": [r["scenario"] for r in replays],
+        "replayed": replayed,
+        "not_replayed_because": not_replayed_because,
+        "status": status,
+    }
+
+
+def summarize(bugs: List[Dict[str, Any]]) -> Dict[str, int]:
+    """The closing line's numbers, counted from the rows' ``status``."""
+    count = lambda *statuses: sum(1 for b in bugs if b["status"] in statuses)  # noqa: E731
+    return {
+        "rows": len(bugs),
+        "applicable": sum(1 for b in bugs if b["affected_here"]),
+        "fixed": count("fixed"),
+        "shim_not_replayed": count("shim-not-replayed"),
+        "workaround_only": count("workaround-only"),
+        "problems": count("problem"),
+        "not_affected": sum(1 for b in bugs if not b["affected_here"]),
+        "not_affected_replayed": sum(1 for b in bugs if b["status"] == "not-affected" and b["replayed"] == "works"),
+    }
+
+
+# -- text ---------------------------------------------------------------------------------------
+#: joins words that must stay on one line (``transformers 5.23.0``); printed as a space
+GLUE = "\u00a0"
+#: the space between a name and the version or range after it
+_VERSION_AFTER_NAME = re.compile(r"(?<=[A-Za-z_]) (?=(?:[<>=!~]=?=?)?\d)")
+
+
+def wrap(text: str, first: str = "", later: Optional[str] = None, width: int = WIDTH, max_lines: int = 0) -> List[str]:
+    """``text`` on lines of at most ``width`` columns, the first after ``first``, the others after
+    ``later`` (default: as many spaces). Lines break at spaces only: an id, a path or a version
+    range (``>=4.45.0,<4.51.0``) is never cut, a name stays with the version or range after it
+    (``transformers 4.46.0``) and words joined by :data:`GLUE` stay together where the pair fits
+    on a line. ``max_lines``: the rest is elided with `` ...``."""
+    import textwrap
+
+    later = " " * len(first) if later is None else later
+    room = width - max(len(first), len(later))
+    words = _VERSION_AFTER_NAME.sub(GLUE, re.sub(r"[ \t\r\n]+", " ", text).strip()).split(" ")
+    text = " ".join(w if len(w) <= room else w.replace(GLUE, " ") for w in words)
+    lines = textwrap.wrap(
+        text, width=width, initial_indent=first, subsequent_indent=later,
+        break_long_words=False, break_on_hyphens=False,
+    ) or [first.rstrip()]
+    if max_lines and len(lines) > max_lines:
+        lines = lines[:max_lines]
+        last = lines[-1]
+        while len(last) + 4 > width and " " in last.strip():
+            last = last[: last.rstrip().rfind(" ")]
+        lines[-1] = last.rstrip() + " ..."
+    return [line.replace(GLUE, " ") for line in lines]
+
+
+def _marks() -> Dict[str, str]:
+    encoding = getattr(sys.stdout, "encoding", None) or "ascii"
+    try:
+        "\u2714\u2718\u2022".encode(encoding)
+    except (UnicodeEncodeError, LookupError):
+        return {"ok": "+", "bad": "x", "note": "*"}
+    return {"ok": "\u2714", "bad": "\u2718", "note": "\u2022"}
+
+
+def _plural(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def closing_line(summary: Dict[str, int], selected: bool = False) -> str:
+    """``"10 known bugs apply to your stack; 9 fixed by devmap-shims, 1 by a shim not replayed here."``"""
+    n = summary["applicable"]
+    text = f"{n} known bug{'' if n == 1 else 's'} {'applies' if n == 1 else 'apply'} to your stack"
+    if selected:
+        text = f"Of the rows asked for, {text}"
+    parts = [f"{summary['fixed']} fixed by devmap-shims"]
+    if summary["shim_not_replayed"]:
+        parts.append(f"{summary['shim_not_replayed']} by a shim not replayed here")
+    if summary["workaround_only"]:
+        parts.append(f"{summary['workaround_only']} with a workaround only")
+    return f"{text}; {', '.join(parts)}."
+
+
+def _block(bug: Dict[str, Any], replays: List[Dict[str, Any]], marks: Dict[str, str]) -> List[str]:
+    status = bug["status"]
+    label = {
+        "fixed": f"{marks['ok']} fixed",
+        "shim-not-replayed": f"{marks['note']} shim",
+        "workaround-only": f"{marks['note']} workaround",
+        "problem": f"{marks['bad']} PROBLEM",
+    }.get(status, f"{marks['ok']} ok")
+    lines = wrap(bug["bug_id"], f"{label}  ", "    ")
+    lines += wrap(bug["title"], "    ")
+    if status == "problem" and not bug["affected_here"]:
+        lines += wrap(f"not affected here: {bug['not_affected_reason']}", "    ")
+    if status == "shim-not-replayed":  # its replays were unavailable: "not replayed" below says why
+        replays = []
+    several = len(replays) > 1
+    for r in replays:
+        pad = "    "
+        if several:
+            lines.append(f"    {r['scenario']}:")
+            pad = "      "
+        without, with_shims = r["without_shims"], r["with_shims"]
+        head = "skipped: " if without["unavailable"] else "without: "
+        lines += wrap(without["detail"], pad + head, pad + "  ", max_lines=2)
+        if with_shims:
+            state = "" if with_shims["ok"] else "FAILED: "
+            lines += wrap(state + with_shims["detail"], f"{pad}with {r['shim']}: ", pad + "  ", max_lines=2)
+        if r["verdict"] in PROBLEM_VERDICTS:
+            lines += wrap(f"verdict: {r['verdict']}", pad)
+    if status == "shim-not-replayed":
+        lines += wrap(f"{bug['shim']}: {bug['shim_summary']}", "    ", "      ", max_lines=2)
+        lines += wrap(f"not replayed: {bug['not_replayed_because']}", "    ", "      ", max_lines=2)
+    if status == "workaround-only" or (status == "problem" and not bug["shim"] and bug["affected_here"]):
+        lines += wrap(f"workaround: {bug['workaround'] or 'none known'}", "    ", "      ", max_lines=3)
+    return lines
+
+
+def _not_affected_lines(bugs: List[Dict[str, Any]]) -> List[str]:
+    if not bugs:
+        return []
+    column = min(max(len(b["bug_id"]) for b in bugs), 52) + 4
+    lines = []
+    for b in bugs:
+        first = f"  {b['bug_id']}  ".ljust(column)
+        lines += wrap(b["not_affected_reason"] or b["applicability"], first, " " * column)
+    return lines
+
+
+def render(bugs: List[Dict[str, Any]], rows: List[Dict[str, Any]], versions: Dict[str, Optional[str]],
+           selected: bool = False, seconds: Optional[float] = None) -> str:
+    """The report: versions, a block per row that applies (or misbehaved), a line per other row,
+    the closing line. Every line fits :data:`WIDTH` columns."""
+    marks = _marks()
+    summary = summarize(bugs)
+    replays: Dict[str, List[Dict[str, Any]]] = {}
+    for r in rows:
+        replays.setdefault(r["bug_id"], []).append(r)
+    installed = ", ".join(f"{d}{GLUE}{v}" for d, v in sorted(versions.items()) if v) or "none of the target libraries"
+    out = wrap(f"Installed: {installed}.", later="  ")
+    out += wrap(f"Replayed on simulated GPUs, without the shims and with them; the compat matrix has "
+                f"{_plural(summary['rows'], 'row', 'rows')}{' asked for' if selected else ''}.")
+    for heading, blocks in (
+        ("Known bugs that apply to your stack", [b for b in bugs if b["affected_here"]]),
+        ("Rows that do not apply here, yet their replay failed",
+         [b for b in bugs if not b["affected_here"] and b["status"] == "problem"]),
     ):
-        os.environ.setdefault(name, value)
-    for name in ("transformers", "diffusers", "accelerate", "bitsandbytes", "huggingface_hub", "torch"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    import warnings
+        if blocks:
+            out += ["", f"{heading} ({len(blocks)}):"]
+            for bug in blocks:
+                out += [""] + _block(bug, replays.get(bug["bug_id"], []), marks)
+    others = [b for b in bugs if b["status"] == "not-affected"]
+    groups = (
+        ("Not affected here; replayed, the libraries behave", lambda b: b["replayed"] == "works"),
+        ("Not affected here; not replayed within the time budget (`demo --all` replays them)",
+         lambda b: b["replayed"] == "skipped"),
+        ("Not affected here; no scenario that runs on this stack", lambda b: b["replayed"] not in ("works", "skipped")),
+    )
+    for heading, member in groups:
+        group = [b for b in others if member(b)]
+        if group:
+            out += [""] + wrap(f"{heading} ({len(group)}):") + _not_affected_lines(group)
+    out += [""] + wrap(closing_line(summary, selected))
+    ran = sum(1 for r in rows if r["verdict"] != "unavailable")
+    took = f" in {seconds:.0f} s" if seconds is not None else ""
+    out += wrap(f"{_plural(summary['problems'], 'problem', 'problems')}; "
+                f"{_plural(ran, 'scenario', 'scenarios')} replayed{took}. "
+                "`devmap-shims explain ID` tells more about a row.")
+    return "\n".join(out)
 
-    warnings.filterwarnings("ignore")
-    try:  # tiny models: one thread is faster than contending for two cores
-        import torch
 
-        torch.set_num_threads(1)
-    except ImportError:
-        pass
+# -- the command --------------------------------------------------------------------------------
+def _progress_printer(stream: Any, enabled: bool) -> Tuple[Callable[[str], None], Callable[[], None]]:
+    """One short line per replay on ``stream``; on a terminal each overwrites the last."""
+    tty = enabled and hasattr(stream, "isatty") and stream.isatty()
+
+    def show(message: str) -> None:
+        if not enabled:
+            return
+        text = message if len(message) <= WIDTH - 1 else message[: WIDTH - 5] + " ..."
+        if tty:
+            stream.write("\r\033[K" + text)
+        else:
+            stream.write(text + "\n")
+        stream.flush()
+
+    def done() -> None:
+        if tty:
+            stream.write("\r\033[K")
+            stream.flush()
+
+    return show, done
 
 
 def run(args: argparse.Namespace) -> int:
-    _quiet_libraries()
-
-    def progress(message: str) -> None:
-        if not args.json:
-            print(message, file=sys.stderr, flush=True)
-
+    started = time.perf_counter()
+    quiet_libraries()
+    show, done = _progress_printer(sys.stderr, not args.json)
     try:
-        rows = collect(list(args.ids), args.all, progress)
+        bugs, rows, versions = collect(list(args.ids), args.all, show, start=started)
     except KeyError as exc:
         raise UsageError(str(exc).strip("'\"")) from None
-    bad = [r for r in rows if r["verdict"] in ("NOT FIXED", "UNEXPECTED FAILURE", "not reproduced")]
+    finally:
+        done()
+    summary = summarize(bugs)
     if args.json:
-        json.dump({"schema_version": 1, "rows": rows}, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 1 if bad else 0
-    if not rows:
-        print("No known bug with a replayable scenario applies to the installed stack (use --all to replay them anyway).")
-        return 0
-    cells = []
-    for r in rows:
-        with_shims = r["with_shims"]
-        cells.append(
-            [
-                r["bug_id"],
-                "yes" if r["affected_here"] else "no",
-                _cut(r["without_shims"]["detail"] if not r["without_shims"]["ok"] else "ok: " + r["without_shims"]["detail"]),
-                _cut(("ok: " if with_shims["ok"] else "FAILED: ") + with_shims["detail"]) if with_shims else "-",
-                r["verdict"],
-                f"{r['without_shims']['seconds'] + (with_shims['seconds'] if with_shims else 0):.1f}s",
-            ]
+        json.dump(
+            {"schema_version": SCHEMA_VERSION, "versions": versions, "summary": summary,
+             "seconds": round(time.perf_counter() - started, 1), "bugs": bugs, "rows": rows},
+            sys.stdout, indent=2,
         )
-    print(table(cells, ["bug id", "affected here?", "without shims", "with shims", "verdict", "time"]))
-    print(f"\n{len(rows)} scenario(s); {len(bad)} problem(s). `devmap-shims explain ID` tells more about a row.")
-    return 1 if bad else 0
-
-
-def _cut(text: str, width: int = 70) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 3] + "..."
+        sys.stdout.write("\n")
+    else:
+        print(render(bugs, rows, versions, selected=bool(args.ids), seconds=time.perf_counter() - started))
+    return 1 if summary["problems"] else 0

@@ -62,6 +62,9 @@ class Assessment:
     gpu_room: int = 0
     #: that room on GPU 0: the largest offloaded block (0 when nothing is offloaded)
     reserve: int = 0
+    #: the largest block that cannot be split, and the largest GPU budget
+    largest_block: int = 0
+    largest_budget: int = 0
 
     def offload_reason(self, model_bytes: int) -> str:
         """Why the offload cannot be avoided, in one sentence ('' when it can, or nothing moves)."""
@@ -70,10 +73,19 @@ class Assessment:
         targets = [d for d in ("cpu", "disk") if self.bytes_per_device.get(d)]
         where = "the CPU and disk" if len(targets) == 2 else ("disk" if targets == ["disk"] else "the CPU")
         gpus = f"{len(self.gpus)} GPU" + ("s" if len(self.gpus) != 1 else "")
-        text = (f"offload unavoidable: the model needs {format_bytes(model_bytes)}, the {gpus} offer "
-                f"{format_bytes(self.gpu_room)} after accelerate's reserves")
+        reserve = ""
         if self.reserve and self.gpus:
-            text += f" ({format_bytes(self.reserve)} kept free on GPU {self.gpus[0]} to stream offloaded layers in)"
+            reserve = f" ({format_bytes(self.reserve)} kept free on GPU {self.gpus[0]} to stream offloaded layers in)"
+        if self.gpu_room < model_bytes:
+            text = (f"offload unavoidable: the model needs {format_bytes(model_bytes)}, the {gpus} offer "
+                    f"{format_bytes(self.gpu_room)} after accelerate's reserves{reserve}")
+        else:  # room enough in total, but not in whole blocks placed in order
+            where_not = ("is larger than every GPU's budget" if self.largest_block > self.largest_budget
+                         else "does not fit what is left on the GPUs")
+            text = (f"offload unavoidable: the {gpus} offer {format_bytes(self.gpu_room)} after accelerate's "
+                    f"reserves{reserve}, as much as the model's {format_bytes(model_bytes)}, but not in whole "
+                    f"blocks placed in order: the largest block ({format_bytes(self.largest_block)}) {where_not} "
+                    f"(largest budget {format_bytes(self.largest_budget)})")
         return text + f"; {format_bytes(self.offloaded)} goes to {where} in whole modules"
 
     @property
@@ -247,6 +259,8 @@ def assess(
         unavoidable=unavoidable,
         gpu_room=max(0, int(sum(budgets[g] for g in gpus)) - reserve),
         reserve=reserve,
+        largest_block=layout.largest,
+        largest_budget=int(max([budgets[g] for g in gpus] or [0])),
     )
 
 

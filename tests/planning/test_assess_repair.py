@@ -296,3 +296,15 @@ def test_a_sequential_map_still_may_skip_a_gpu():
     m = {f"l{i}": (0 if i < 4 else 2) for i in range(8)}
     a = assess(layout, m, gpus(3, 100), in_order=True)
     assert a.verdict == SKIPPED and a.skipped == [1]
+
+
+def test_unavoidable_offload_with_room_in_total_blames_the_largest_block():
+    """A 40-byte first block and four 30-byte GPUs: 80 bytes of room (40 kept free on GPU 0) for
+    a 50-byte model, but the first block fits no GPU, and what follows it in order stays off too."""
+    layout = build_layout([("embed", 40), ("l0", 5), ("l1", 5)])
+    budgets = gpus(4, 30, cpu=1000)
+    a = assess(layout, {"embed": "cpu", "l0": "cpu", "l1": "cpu"}, budgets)
+    assert a.verdict == OK and a.unavoidable
+    reason = a.offload_reason(layout.total)
+    assert "as much as the model's 50 B, but not in whole blocks placed in order" in reason
+    assert "the largest block (40 B) is larger than every GPU's budget (largest budget 30 B)" in reason

@@ -191,7 +191,8 @@ def _parameter_count(model: Any) -> int:
     count = sum(p.numel() for p in model.parameters())
     try:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        tied = bool(getattr(config, "tie_word_embeddings", getattr(model.config, "tie_word_embeddings", False)))
+        default = getattr(model.config, "tie_word_embeddings", False)
+        tied = bool(getattr(config, "tie_word_embeddings", default))
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
         if tied and out is not None and inp is not None and out.weight is not inp.weight \
                 and out.weight.shape == inp.weight.shape:

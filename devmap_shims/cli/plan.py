@@ -212,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
     quantization = _quantization(args, data)
     versions = _versions()
 
-    say(f"importing torch {versions.get('torch') or '?'} and transformers {versions.get('transformers') or '?'} ...")
+    say(f"importing torch {versions.get('torch') or '?'} and "
+        f"transformers {versions.get('transformers') or '?'} ...")
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -237,16 +238,16 @@ def run(args: argparse.Namespace) -> int:
     armed = shim_armed() and not args.without_shims
     strategies = STRATEGIES if args.device_map == "all" else (args.device_map,)
     shown = "with and without the shims" if armed else "the library's own map"
-    say(f"planning device_map={args.device_map!r} for {_parameters(meta.parameters)} over {describe_gpus(gpus)}, "
-        f"{shown} ...")
+    say(f"planning device_map={args.device_map!r} for {_parameters(meta.parameters)} "
+        f"over {describe_gpus(gpus)}, {shown} ...")
     reports = []
     try:
         for strategy in strategies:
             library_map = stack.device_map_step(meta, strategy, max_memory, shim=False)
             final_map = stack.device_map_step(meta, strategy, max_memory, shim=True) if armed else library_map
             layout, budgets = stack.layout_and_budgets(meta, strategy, max_memory)
-            reports.append(_report(strategy, meta, layout, budgets, library_map, final_map, armed, gpus, max_memory,
-                                   path, versions))
+            reports.append(_report(strategy, meta, layout, budgets, library_map, final_map, armed, gpus,
+                                   max_memory, path, versions))
     except (MemoryError, RecursionError, ValueError, TypeError, KeyError) as exc:
         raise UsageError(f"the device-map step failed for {path}: {type(exc).__name__}: {one_line(exc)}") from None
     report = reports[0] if len(reports) == 1 else _combined(reports)
@@ -351,7 +352,8 @@ def _report(strategy, meta, layout, budgets, library_map, final_map, armed, gpus
     }
     report.update(_judged(final, layout.total, meta.quantization))
     if applied and library is not None:
-        report["without_shims"] = {"device_map": dict(library_map), **_judged(library, layout.total, meta.quantization)}
+        judged = _judged(library, layout.total, meta.quantization)
+        report["without_shims"] = {"device_map": dict(library_map), **judged}
     return report
 
 
@@ -377,7 +379,8 @@ def _judged(assessment: Any, model_bytes: int, quantization: str) -> Dict[str, A
             out["problems"].append(
                 f"{assessment.offload_reason(model_bytes)}; add GPUs, raise --max-memory, or quantize")
     if quantization != "none" and assessment.offloaded:
-        out["problems"].append("bitsandbytes refuses CPU/disk offload unless llm_int8_enable_fp32_cpu_offload=True is set")
+        out["problems"].append(
+            "bitsandbytes refuses CPU/disk offload unless llm_int8_enable_fp32_cpu_offload=True is set")
     return out
 
 
@@ -443,15 +446,17 @@ def _human(report: Dict[str, Any]) -> str:
     elif report["shims_armed"]:
         lines.append("devmap-shims leaves this map unchanged")
     else:
-        lines.append(wrap("devmap-shims: device-map shim not armed (--without-shims, or the bug does not apply here)"))
+        lines.append(wrap("devmap-shims: device-map shim not armed (--without-shims, "
+                          "or the bug does not apply here)"))
     return "\n".join(lines)
 
 
 def _header(report: Dict[str, Any], what: str) -> List[str]:
     versions = ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v)
     return [
-        wrap(f"model: {report.get('model_class') or report['model_type']} from {elide_path(report['config'])} "
-             f"({format_bytes(report['model_bytes'])} to place, {report['quantization']}, {report['dtype']})"),
+        wrap(f"model: {report.get('model_class') or report['model_type']} "
+             f"from {elide_path(report['config'])} ({format_bytes(report['model_bytes'])} to place, "
+             f"{report['quantization']}, {report['dtype']})"),
         wrap(what),
         wrap(f"stack: {versions}"),
     ]
@@ -471,8 +476,10 @@ def _verdict_lines(report: Dict[str, Any], label: str = "verdict") -> List[str]:
 # -- --device-map all ---------------------------------------------------------------------------------
 
 #: What every strategy's report shares; the rest goes under "strategies".
-_SHARED = ("schema_version", "config", "model_type", "model_class", "parameters", "quantization", "dtype", "gpus",
-           "max_memory", "model_bytes", "shims_armed", "versions")
+_SHARED = ("schema_version", "config", "model_type", "model_class", "parameters", "quantization", "dtype",
+           "gpus", "max_memory", "model_bytes", "shims_armed", "versions")
+_JUDGED = ("device_map", "bytes_per_device", "verdict", "problems", "lower_bound", "balance_ratio",
+           "offloaded_bytes", "offload_unavoidable")
 
 
 def _combined(reports: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -485,9 +492,7 @@ def _combined(reports: List[Dict[str, Any]]) -> Dict[str, Any]:
     for report in reports:
         entry = {k: v for k, v in report.items() if k not in _SHARED}
         if "without_shims" not in entry:
-            entry["without_shims"] = {k: entry[k] for k in ("device_map", "bytes_per_device", "verdict", "problems",
-                                                            "lower_bound", "balance_ratio", "offloaded_bytes",
-                                                            "offload_unavoidable")}
+            entry["without_shims"] = {k: entry[k] for k in _JUDGED}
         out["strategies"].append(entry)
     out["verdicts"] = {r["strategy"]: r["verdict"] for r in reports}
     return out
@@ -513,7 +518,8 @@ def _row(strategy: str, side: str, judged: Dict[str, Any]) -> List[str]:
 def _human_all(report: Dict[str, Any]) -> str:
     from devmap_shims.cli._output import table
 
-    lines = _header(report, f"{len(report['gpus'])} GPU(s): {describe_gpus([int(v) for v in report['gpus'].values()])}")
+    gpus = describe_gpus([int(v) for v in report["gpus"].values()])
+    lines = _header(report, f"{len(report['gpus'])} GPU(s): {gpus}")
     armed = bool(report["shims_armed"])
     rows = []
     for entry in report["strategies"]:
@@ -524,8 +530,8 @@ def _human_all(report: Dict[str, Any]) -> str:
             rows.append(_row(entry["strategy"], "without", entry))
     lines.append(table(rows, ["strategy", "shims", "verdict", "GPUs", "busiest GPU", "x bound", "CPU/disk"]))
     if not armed:
-        lines.append(wrap("devmap-shims: device-map shim not armed (--without-shims, or the bug does not apply "
-                          "here): each row is the library's own map"))
+        lines.append(wrap("devmap-shims: device-map shim not armed (--without-shims, or the bug does "
+                          "not apply here): each row is the library's own map"))
     # the problems of the maps shown first, each set once with the strategies it concerns
     groups: Dict[Tuple[str, ...], List[Dict[str, Any]]] = {}
     for entry in report["strategies"]:

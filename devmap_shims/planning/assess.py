@@ -75,16 +75,18 @@ class Assessment:
         gpus = f"{len(self.gpus)} GPU" + ("s" if len(self.gpus) != 1 else "")
         reserve = ""
         if self.reserve and self.gpus:
-            reserve = f" ({format_bytes(self.reserve)} kept free on GPU {self.gpus[0]} to stream offloaded layers in)"
+            reserve = (f" ({format_bytes(self.reserve)} kept free on GPU {self.gpus[0]} "
+                       "to stream offloaded layers in)")
         if self.gpu_room < model_bytes:
             text = (f"offload unavoidable: the model needs {format_bytes(model_bytes)}, the {gpus} offer "
                     f"{format_bytes(self.gpu_room)} after accelerate's reserves{reserve}")
         else:  # room enough in total, but not in whole blocks placed in order
             where_not = ("is larger than every GPU's budget" if self.largest_block > self.largest_budget
                          else "does not fit what is left on the GPUs")
-            text = (f"offload unavoidable: the {gpus} offer {format_bytes(self.gpu_room)} after accelerate's "
-                    f"reserves{reserve}, as much as the model's {format_bytes(model_bytes)}, but not in whole "
-                    f"blocks placed in order: the largest block ({format_bytes(self.largest_block)}) {where_not} "
+            text = (f"offload unavoidable: the {gpus} offer {format_bytes(self.gpu_room)} after "
+                    f"accelerate's reserves{reserve}, as much as the model's {format_bytes(model_bytes)}, "
+                    "but not in whole blocks placed in order: the largest block "
+                    f"({format_bytes(self.largest_block)}) {where_not} "
                     f"(largest budget {format_bytes(self.largest_budget)})")
         return text + f"; {format_bytes(self.offloaded)} goes to {where} in whole modules"
 

@@ -8,6 +8,8 @@ import pytest
 
 from devmap_shims.cli import main
 
+STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
 # google/gemma-7b: Gemma-2-27B's 256k tied vocabulary, on every transformers since 4.38
 GEMMA_7B = dict(
     model_type="gemma", architectures=["GemmaForCausalLM"], vocab_size=256000, hidden_size=3072,
@@ -207,8 +209,8 @@ def test_unavoidable_offload_in_text_has_no_ok_and_no_ratio(capsys, gemma_dir, s
 
 
 def test_progress_goes_to_stderr_and_never_into_json(capsys, gemma_dir, stack_ready):
-    code, out, err = run(capsys, str(gemma_dir), "--gpus", "8x23GiB", "--quantization", "4bit", "--cpu-memory",
-                         "180GiB", "--json")
+    code, out, err = run(capsys, str(gemma_dir), "--gpus", "8x23GiB", "--quantization", "4bit",
+                         "--cpu-memory", "180GiB", "--json")
     report = json.loads(out)  # stdout is the JSON object alone
     assert report["verdict"] == "ok"
     steps = [line for line in err.splitlines() if line.startswith("plan: ")]
@@ -217,13 +219,14 @@ def test_progress_goes_to_stderr_and_never_into_json(capsys, gemma_dir, stack_re
                                f"{report['versions']['transformers']}")
     assert "building GemmaForCausalLM on the meta device" in steps[1]
     planning = " ".join(err.split())
-    assert "planning device_map='auto' for 8.5 B parameters over 8 x 23 GiB, with and without the shims" in planning
+    assert ("planning device_map='auto' for 8.5 B parameters over 8 x 23 GiB, with and without the shims"
+            in planning)
     assert "plan:" not in out
 
 
 def test_quiet_prints_nothing_on_stderr(capsys, gemma_dir, stack_ready):
-    code, out, err = run(capsys, str(gemma_dir), "--gpus", "8x23GiB", "--quantization", "4bit", "--cpu-memory",
-                         "180GiB", "--quiet")
+    code, out, err = run(capsys, str(gemma_dir), "--gpus", "8x23GiB", "--quantization", "4bit",
+                         "--cpu-memory", "180GiB", "--quiet")
     assert code == 0 and "verdict: ok" in out and err == ""
 
 
@@ -251,11 +254,11 @@ def count_builds(monkeypatch):
 
 
 def test_all_strategies_build_the_model_once(capsys, gemma_dir, stack_ready, count_builds):
-    code, out, err = run(capsys, str(gemma_dir), "--gpus", "8x23GiB", "--quantization", "4bit", "--cpu-memory",
-                         "180GiB", "--device-map", "all", "--json")
+    code, out, err = run(capsys, str(gemma_dir), "--gpus", "8x23GiB", "--quantization", "4bit",
+                         "--cpu-memory", "180GiB", "--device-map", "all", "--json")
     report = json.loads(out)
     assert len(count_builds) == 1
-    assert [e["strategy"] for e in report["strategies"]] == ["auto", "balanced", "balanced_low_0", "sequential"]
+    assert [e["strategy"] for e in report["strategies"]] == list(STRATEGIES)
     assert report["strategy"] == "all" and report["model_type"] == "gemma"
     for entry in report["strategies"]:
         assert {"device_map", "verdict", "bytes_per_device", "without_shims"} <= set(entry)
@@ -317,7 +320,8 @@ def test_wrap_breaks_at_spaces_but_never_inside_a_version_range_or_a_name_and_ve
         assert " ".join(" ".join(lines).split()) == " ".join(text.split())
         assert all(len(line) <= width for line in lines), (width, lines)
         for line in lines:
-            assert not line.rstrip().endswith((">=4.45,", "accelerate >= 1.0,", "torch", "3.82")), (width, line)
+            ends = (">=4.45,", "accelerate >= 1.0,", "torch", "3.82")
+            assert not line.rstrip().endswith(ends), (width, line)
             assert not line.lstrip().startswith(("<4.50", "< 1.2", "2.15.0", "GiB")), (width, line)
 
 

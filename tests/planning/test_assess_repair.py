@@ -268,7 +268,8 @@ def test_unavoidable_offload_says_what_the_model_needs_and_what_the_gpus_offer()
 
 def test_avoidable_offload_is_not_called_unavoidable():
     layout = build_layout([(f"l{i}", 10) for i in range(10)])
-    m = {**{f"l{i}": 0 for i in range(3)}, **{f"l{i}": 1 for i in range(3, 5)}, **{f"l{i}": "cpu" for i in range(5, 10)}}
+    m = {**{f"l{i}": 0 for i in range(3)}, **{f"l{i}": 1 for i in range(3, 5)}}
+    m.update({f"l{i}": "cpu" for i in range(5, 10)})
     a = assess(layout, m, gpus(2, 60, cpu=1000))
     assert a.verdict == OFFLOADED and not a.unavoidable
     assert a.offload_reason(layout.total) == ""

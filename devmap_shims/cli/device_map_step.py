@@ -78,6 +78,8 @@ class MetaModel:
     quantizer: Any
     dtype: Any
     quantization: str
+    #: parameters of the unquantized skeleton (bitsandbytes packs two 4-bit weights in a byte)
+    parameters: int = 0
 
 
 def torch_dtype(name: str) -> Any:
@@ -176,10 +178,28 @@ def _build_meta_model(config: Any, dtype: str, quantization: str) -> MetaModel:
                 "configuration; `devmap-shims plan` plans AutoModelForCausalLM checkpoints"
             ) from None
         raise
+    parameters = _parameter_count(model)
     quantizer = None
     if quantization != "none":
         quantizer = _bnb_quantizer(config, model, dt, quantization)
-    return MetaModel(model, quantizer, dt, quantization)
+    return MetaModel(model, quantizer, dt, quantization, parameters)
+
+
+def _parameter_count(model: Any) -> int:
+    """Parameters of the skeleton, a tied output embedding counted once (``from_config`` on the
+    meta device may not have tied it yet)."""
+    count = sum(p.numel() for p in model.parameters())
+    try:
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        default = getattr(model.config, "tie_word_embeddings", False)
+        tied = bool(getattr(config, "tie_word_embeddings", default))
+        out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+        if tied and out is not None and inp is not None and out.weight is not inp.weight \
+                and out.weight.shape == inp.weight.shape:
+            count -= out.weight.numel()
+    except Exception:  # a model without embeddings accessors: count what is there
+        pass
+    return int(count)
 
 
 @contextlib.contextmanager

@@ -4,12 +4,18 @@
 
     devmap-shims plan ./gemma-2-27b/config.json --gpus 8x23GiB --quantization 4bit
     devmap-shims plan ./llama-3-70b --gpus 8x80GiB --dtype bfloat16 --json
+    devmap-shims plan ./llama-3-8b --gpus 4x23GiB --device-map all
+
 
 The model is built on the meta device from a local ``config.json`` (no Hub access), bitsandbytes
 modules are swapped in for 4-bit / 8-bit the way ``from_pretrained(quantization_config=...)``
 does, and the installed stack's own device-map step runs with ``max_memory`` set to the described
 GPUs (each fully free) and CPU. By default the map is the one you get with devmap-shims installed;
-``--without-shims`` shows the library's own.
+``--without-shims`` shows the library's own. ``--device-map all`` builds the model once and
+compares the four strategies, each with and without the shims.
+
+What it is doing (importing, building, planning: seconds each) is said on stderr, never on
+stdout; ``--quiet`` silences it. Text output fits 100 columns.
 
 Exit status: 0 when the map is healthy, 1 when it is degenerate (collapsed, skipped GPU,
 offloaded, imbalanced), 2 for a usage error (unreadable config, not a causal LM, bad topology).
@@ -27,6 +33,10 @@ from typing import Any, Dict, List, Optional, Tuple
 from devmap_shims.cli._output import EXIT_OK, EXIT_PROBLEM, UsageError, one_line
 from devmap_shims.planning.sizes import TopologyError, format_bytes, parse_gpus, parse_size
 
+STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+#: Text output is wrapped to this many columns.
+WIDTH = 100
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG", help="a local config.json, or a folder holding one")
@@ -39,10 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=("4bit", "8bit", "none"),
                         help="bitsandbytes quantization (default: the config's own bitsandbytes settings, else none)")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the unquantized weights (default bfloat16)")
-    parser.add_argument("--device-map", default="auto", choices=("auto", "balanced", "balanced_low_0", "sequential"),
-                        help="the device_map strategy passed to from_pretrained (default auto)")
+    parser.add_argument("--device-map", default="auto", choices=STRATEGIES + ("all",),
+                        help="the device_map strategy passed to from_pretrained (default auto); "
+                        "all: the four side by side, with and without the shims")
     parser.add_argument("--without-shims", action="store_true", help="show the library's own map, unrepaired")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
 
 
 # -- inputs ---------------------------------------------------------------------------------------
@@ -63,11 +75,15 @@ def read_config_dict(path_text: str) -> Tuple[Dict[str, Any], Path]:
 
     path = Path(path_text)
     if path.is_dir():
+        if not (path / "config.json").exists():
+            raise UsageError(f"{path} is a folder without a config.json (give a model folder holding "
+                             "config.json, or the config file itself)")
         path = path / "config.json"
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
-        raise UsageError(f"no such file: {path}") from None
+        raise UsageError(f"no such file or folder: {path} (give a model folder holding config.json, "
+                         "or the config file itself)") from None
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror}") from None
     try:
@@ -172,7 +188,19 @@ def _quantization(args: argparse.Namespace, data: Dict[str, Any]) -> str:
 # -- the run ------------------------------------------------------------------------------------------
 
 
+class Progress:
+    """One line on stderr per step of the run, flushed at once; nothing with ``--quiet``."""
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.quiet = quiet
+
+    def __call__(self, text: str) -> None:
+        if not self.quiet:
+            print(wrap(f"plan: {text}", indent="  "), file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
+    say = Progress(getattr(args, "quiet", False))
     try:
         gpus = parse_gpus(args.gpus)
         cpu = parse_size(args.cpu_memory) if args.cpu_memory else _default_cpu_memory()
@@ -182,7 +210,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     data, path = read_config_dict(args.config)
     quantization = _quantization(args, data)
+    versions = _versions()
 
+    say(f"importing torch {versions.get('torch') or '?'} and "
+        f"transformers {versions.get('transformers') or '?'} ...")
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -191,6 +222,10 @@ def run(args: argparse.Namespace) -> int:
     from devmap_shims.cli import device_map_step as stack
 
     config = _build_config(data, path)
+    architectures = data.get("architectures")
+    name = architectures[0] if isinstance(architectures, list) and architectures and isinstance(
+        architectures[0], str) else f"the {data['model_type']} causal LM"
+    say(f"building {name[:80]} on the meta device ({args.dtype}, quantization {quantization}) ...")
     try:
         meta = stack.build_meta_model(config, args.dtype, quantization)
     except stack.PlanInputError as exc:
@@ -201,19 +236,55 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot build {data['model_type']} from {path}: {type(exc).__name__}: {one_line(exc)}") from None
 
     armed = shim_armed() and not args.without_shims
+    strategies = STRATEGIES if args.device_map == "all" else (args.device_map,)
+    shown = "with and without the shims" if armed else "the library's own map"
+    say(f"planning device_map={args.device_map!r} for {_parameters(meta.parameters)} "
+        f"over {describe_gpus(gpus)}, {shown} ...")
+    reports = []
     try:
-        library_map = stack.device_map_step(meta, args.device_map, max_memory, shim=False)
-        final_map = stack.device_map_step(meta, args.device_map, max_memory, shim=True) if armed else library_map
-        layout, budgets = stack.layout_and_budgets(meta, args.device_map, max_memory)
-        report = _report(args, meta, layout, budgets, library_map, final_map, armed, gpus, max_memory, path)
+        for strategy in strategies:
+            library_map = stack.device_map_step(meta, strategy, max_memory, shim=False)
+            final_map = stack.device_map_step(meta, strategy, max_memory, shim=True) if armed else library_map
+            layout, budgets = stack.layout_and_budgets(meta, strategy, max_memory)
+            reports.append(_report(strategy, meta, layout, budgets, library_map, final_map, armed, gpus,
+                                   max_memory, path, versions))
     except (MemoryError, RecursionError, ValueError, TypeError, KeyError) as exc:
         raise UsageError(f"the device-map step failed for {path}: {type(exc).__name__}: {one_line(exc)}") from None
+    report = reports[0] if len(reports) == 1 else _combined(reports)
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)
         print()
     else:
-        print(_human(report))
-    return EXIT_OK if report["verdict"] == "ok" else EXIT_PROBLEM
+        print(_human(report) if len(reports) == 1 else _human_all(report))
+    return EXIT_OK if all(r["verdict"] == "ok" for r in reports) else EXIT_PROBLEM
+
+
+def _parameters(count: int) -> str:
+    if count >= 10**9:
+        return f"{count / 1e9:.1f} B parameters"
+    if count >= 10**6:
+        return f"{count / 1e6:.1f} M parameters"
+    return f"{count} parameters"
+
+
+def _size(n: int) -> str:
+    """``23 GiB`` / ``23.5 GiB``: a topology's sizes, without trailing zeros."""
+    text = format_bytes(n)
+    number, _, unit = text.partition(" ")
+    if "." in number:
+        number = number.rstrip("0").rstrip(".")
+    return f"{number} {unit}"
+
+
+def describe_gpus(gpus: List[int]) -> str:
+    """``4 x 23 GiB`` or ``2 x 80 GiB + 2 x 40 GiB``: runs of equal GPUs, in order."""
+    runs: List[List[int]] = []
+    for size in gpus:
+        if runs and runs[-1][1] == size:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, size])
+    return " + ".join(f"{count} x {_size(size)}" for count, size in runs)
 
 
 def _build_config(data: Dict[str, Any], path: Path) -> Any:
@@ -246,58 +317,71 @@ def _versions() -> Dict[str, Optional[str]]:
     return installed_versions(("torch", "transformers", "accelerate", "bitsandbytes"))
 
 
-def _report(args, meta, layout, budgets, library_map, final_map, armed, gpus, max_memory, path) -> Dict[str, Any]:
+def _report(strategy, meta, layout, budgets, library_map, final_map, armed, gpus, max_memory, path,
+            versions) -> Dict[str, Any]:
     from devmap_shims.hooks.accelerate.device_map_balance import SHIM
     from devmap_shims.planning import assess
 
-    low_zero = args.device_map == "balanced_low_0"
+    low_zero = strategy == "balanced_low_0"
 
     def judge(device_map):
         units = layout.unit_devices(device_map)
-        return assess(layout, units, budgets, low_zero) if units is not None else None
+        if units is None:
+            return None
+        return assess(layout, units, budgets, low_zero, in_order=strategy == "sequential")
 
     final, library = judge(final_map), judge(library_map)
     applied = [SHIM.id] if armed and final_map != library_map else []
     report: Dict[str, Any] = {
+        "schema_version": 1,
         "config": str(path),
         "model_type": getattr(meta.model.config, "model_type", None),
-        "strategy": args.device_map,
+        "model_class": type(meta.model).__name__,
+        "parameters": meta.parameters,
+        "strategy": strategy,
         "quantization": meta.quantization,
         "dtype": str(meta.dtype).replace("torch.", ""),
         "gpus": {str(i): size for i, size in enumerate(gpus)},
         "max_memory": {str(k): v for k, v in max_memory.items()},
         "device_map": {k: v for k, v in final_map.items()},
-        "bytes_per_device": _bytes(final),
-        "verdict": final.verdict if final else "unknown",
-        "problems": final.problems if final else [],
-        "lower_bound": final.lower_bound if final else None,
-        "balance_ratio": round(final.ratio, 4) if final else None,
         "model_bytes": layout.total,
         "shims_armed": [SHIM.id] if armed else [],
         "shims_applied": applied,
-        "versions": _versions(),
+        "versions": versions,
         "modules_per_device": _modules_per_device(final_map),
     }
+    report.update(_judged(final, layout.total, meta.quantization))
     if applied and library is not None:
-        report["without_shims"] = {
-            "device_map": dict(library_map),
-            "bytes_per_device": _bytes(library),
-            "verdict": library.verdict,
-            "problems": library.problems,
-            "balance_ratio": round(library.ratio, 4),
-        }
-    if final is not None and final.verdict == "ok" and final.offloaded:
-        report["verdict"] = "does not fit"
-        report["problems"] = list(report["problems"]) + [
-            f"{format_bytes(final.offloaded)} of the model's {format_bytes(layout.total)} cannot stay on the GPUs in "
-            "any placement (their budgets are too small) and goes to CPU/disk: add GPUs, raise --max-memory, or "
-            "quantize"
-        ]
-    if meta.quantization != "none" and final and final.offloaded:
-        report["problems"] = list(report["problems"]) + [
-            "bitsandbytes refuses CPU/disk offload unless llm_int8_enable_fp32_cpu_offload=True is set"
-        ]
+        judged = _judged(library, layout.total, meta.quantization)
+        report["without_shims"] = {"device_map": dict(library_map), **judged}
     return report
+
+
+def _judged(assessment: Any, model_bytes: int, quantization: str) -> Dict[str, Any]:
+    """The verdict fields of a report for one map; an offload no placement avoids is "does not fit",
+    with the reason (the model's size against what the GPUs offer)."""
+    if assessment is None:
+        return {"bytes_per_device": {}, "verdict": "unknown", "problems": [], "lower_bound": None,
+                "balance_ratio": None, "offloaded_bytes": 0, "offload_unavoidable": False}
+    out: Dict[str, Any] = {
+        "bytes_per_device": _bytes(assessment),
+        "verdict": assessment.verdict,
+        "problems": list(assessment.problems),
+        "lower_bound": assessment.lower_bound,
+        "balance_ratio": round(assessment.ratio, 4),
+        "offloaded_bytes": assessment.offloaded,
+        "offload_unavoidable": bool(assessment.unavoidable and assessment.offloaded),
+    }
+    if out["offload_unavoidable"]:
+        out["gpu_room_bytes"] = assessment.gpu_room
+        if assessment.verdict == "ok":
+            out["verdict"] = "does not fit"
+            out["problems"].append(
+                f"{assessment.offload_reason(model_bytes)}; add GPUs, raise --max-memory, or quantize")
+    if quantization != "none" and assessment.offloaded:
+        out["problems"].append(
+            "bitsandbytes refuses CPU/disk offload unless llm_int8_enable_fp32_cpu_offload=True is set")
+    return out
 
 
 def _bytes(assessment: Any) -> Dict[str, int]:
@@ -336,12 +420,8 @@ def _device_order(key: str) -> Tuple[int, Any]:
 
 
 def _human(report: Dict[str, Any]) -> str:
-    lines = [
-        f"model: {report['model_type']} from {report['config']} ({format_bytes(report['model_bytes'])} to place, "
-        f"{report['quantization']}, {report['dtype']})",
-        f"device_map={report['strategy']!r} on {len(report['gpus'])} GPU(s); "
-        + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
-    ]
+    gpus = describe_gpus([int(v) for v in report["gpus"].values()])
+    lines = _header(report, f"device_map={report['strategy']!r} on {len(report['gpus'])} GPU(s): {gpus}")
     rows = [("device", "bytes", "share", "modules")]
     budgets = report["max_memory"]
     devices = sorted(set(report["bytes_per_device"]) | set(report["gpus"]), key=_device_order)
@@ -354,22 +434,148 @@ def _human(report: Dict[str, Any]) -> str:
         rows.append((label, format_bytes(used), share, modules))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
-        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
-    ratio = report.get("balance_ratio")
-    verdict = f"verdict: {report['verdict']}"
-    if ratio is not None:
-        verdict += f" (busiest GPU {ratio:.2f}x the lower bound {format_bytes(report['lower_bound'])})"
-    lines.append(verdict)
-    for problem in report["problems"]:
-        lines.append(f"  - {problem}")
+        head = "  " + "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  "
+        lines.append(wrap(head + r[3], indent=" " * len(head)))
+    lines.extend(_verdict_lines(report))
     before = report.get("without_shims")
     if before:
-        lines.append(
+        lines.append(wrap(
             f"without devmap-shims: {before['verdict']} ({before['balance_ratio']:.2f}x); "
             f"repaired by {', '.join(report['shims_applied'])}"
-        )
+        ))
     elif report["shims_armed"]:
         lines.append("devmap-shims leaves this map unchanged")
     else:
-        lines.append("devmap-shims: device-map shim not armed (--without-shims, or the bug does not apply here)")
+        lines.append(wrap("devmap-shims: device-map shim not armed (--without-shims, "
+                          "or the bug does not apply here)"))
     return "\n".join(lines)
+
+
+def _header(report: Dict[str, Any], what: str) -> List[str]:
+    versions = ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v)
+    return [
+        wrap(f"model: {report.get('model_class') or report['model_type']} "
+             f"from {elide_path(report['config'])} ({format_bytes(report['model_bytes'])} to place, "
+             f"{report['quantization']}, {report['dtype']})"),
+        wrap(what),
+        wrap(f"stack: {versions}"),
+    ]
+
+
+def _verdict_lines(report: Dict[str, Any], label: str = "verdict") -> List[str]:
+    ratio = report.get("balance_ratio")
+    verdict = f"{label}: {report['verdict']}"
+    if ratio is not None and not report.get("offload_unavoidable"):
+        verdict += f" (busiest GPU {ratio:.2f}x the lower bound {format_bytes(report['lower_bound'])})"
+    lines = [wrap(verdict)]
+    for problem in report["problems"]:
+        lines.append(wrap(f"  - {problem}", indent="    "))
+    return lines
+
+
+# -- --device-map all ---------------------------------------------------------------------------------
+
+#: What every strategy's report shares; the rest goes under "strategies".
+_SHARED = ("schema_version", "config", "model_type", "model_class", "parameters", "quantization", "dtype",
+           "gpus", "max_memory", "model_bytes", "shims_armed", "versions")
+_JUDGED = ("device_map", "bytes_per_device", "verdict", "problems", "lower_bound", "balance_ratio",
+           "offloaded_bytes", "offload_unavoidable")
+
+
+def _combined(reports: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One report for ``--device-map all``: the shared fields once, then one entry per strategy,
+    each with its map as the library computes it under ``without_shims`` (the same map when the
+    shims leave it alone or are not armed)."""
+    out: Dict[str, Any] = {k: reports[0][k] for k in _SHARED}
+    out["strategy"] = "all"
+    out["strategies"] = []
+    for report in reports:
+        entry = {k: v for k, v in report.items() if k not in _SHARED}
+        if "without_shims" not in entry:
+            entry["without_shims"] = {k: entry[k] for k in _JUDGED}
+        out["strategies"].append(entry)
+    out["verdicts"] = {r["strategy"]: r["verdict"] for r in reports}
+    return out
+
+
+def _gpus_used(bytes_per_device: Dict[str, int]) -> str:
+    from devmap_shims.planning.assess import _ranges
+
+    used = sorted(int(k) for k, v in bytes_per_device.items() if k.isdigit() and v > 0)
+    return _ranges(used) or "none"
+
+
+def _row(strategy: str, side: str, judged: Dict[str, Any]) -> List[str]:
+    per = judged["bytes_per_device"]
+    busiest = max([v for k, v in per.items() if k.isdigit()] or [0])
+    ratio = judged.get("balance_ratio")
+    offloaded = judged.get("offloaded_bytes") or 0
+    shown = ratio is not None and not judged.get("offload_unavoidable")
+    return [strategy, side, judged["verdict"], _gpus_used(per), format_bytes(busiest),
+            f"{ratio:.2f}x" if shown else "-", format_bytes(offloaded) if offloaded else "-"]
+
+
+def _human_all(report: Dict[str, Any]) -> str:
+    from devmap_shims.cli._output import table
+
+    gpus = describe_gpus([int(v) for v in report["gpus"].values()])
+    lines = _header(report, f"{len(report['gpus'])} GPU(s): {gpus}")
+    armed = bool(report["shims_armed"])
+    rows = []
+    for entry in report["strategies"]:
+        if armed:
+            rows.append(_row(entry["strategy"], "with", entry))
+            rows.append(_row("", "without", entry["without_shims"]))
+        else:
+            rows.append(_row(entry["strategy"], "without", entry))
+    lines.append(table(rows, ["strategy", "shims", "verdict", "GPUs", "busiest GPU", "x bound", "CPU/disk"]))
+    if not armed:
+        lines.append(wrap("devmap-shims: device-map shim not armed (--without-shims, or the bug does "
+                          "not apply here): each row is the library's own map"))
+    # the problems of the maps shown first, each set once with the strategies it concerns
+    groups: Dict[Tuple[str, ...], List[Dict[str, Any]]] = {}
+    for entry in report["strategies"]:
+        if entry["problems"]:
+            groups.setdefault((entry["verdict"], *entry["problems"]), []).append(entry)
+    for entries in groups.values():
+        label = ", ".join(e["strategy"] for e in entries)
+        lines.append(wrap(f"{label}: {entries[0]['verdict']}"))
+        lines.extend(wrap(f"  - {problem}", indent="    ") for problem in entries[0]["problems"])
+    return "\n".join(lines)
+
+
+# -- text that fits WIDTH columns ---------------------------------------------------------------------
+
+#: Spaces that must not become line breaks: inside a version range (">=4.45, <4.50"), between a
+#: name and its version ("torch 2.15.0"), and between a number and its unit ("3.82 GiB").
+_KEEP_TOGETHER = re.compile(
+    r"(?<=[\d.*]),\s+(?=[<>=!~])"          # >=4.45, <4.50
+    r"|(?<=[<>=!~]=)\s+(?=\d)|(?<=[<>])\s+(?=\d)"  # >= 4.45
+    r"|(?<=[A-Za-z_-]) (?=\d+\.\d)"             # torch 2.15.0
+    r"|(?<=\d) (?=(?:B|KiB|MiB|GiB|TiB|GB|MB|x)\b)"  # 3.82 GiB
+)
+_GLUE = "\x00"
+
+
+def elide_path(path: str, width: int = WIDTH - 2) -> str:
+    """``path`` when it fits ``width`` columns, else ``.../`` and as many of its last components
+    as fit (the file name at least)."""
+    if len(path) <= width:
+        return path
+    tail = path[-(width - 4):]
+    cut = tail.find("/")
+    return ".../" + (tail[cut + 1:] if cut >= 0 else path.rsplit("/", 1)[-1])
+
+
+def wrap(text: str, width: int = WIDTH, indent: str = "  ") -> str:
+    """``text`` on lines of at most ``width`` columns, broken at spaces only (never inside a
+    version range, a name and its version or a size), continuation lines indented by ``indent``.
+    A single word longer than a line stays whole."""
+    import textwrap
+
+    if len(text) <= width:
+        return text
+    glued = _KEEP_TOGETHER.sub(lambda m: m.group(0).replace(" ", _GLUE), text)
+    lines = textwrap.wrap(glued, width=width, subsequent_indent=indent or "", break_long_words=False,
+                          break_on_hyphens=False)
+    return "\n".join(line.replace(_GLUE, " ") for line in lines)

@@ -19,7 +19,11 @@ A map computed for ``device_map="auto" | "balanced" | "balanced_low_0"`` is *deg
     ``max(total / number of GPUs, largest unsplittable block)`` (see :func:`lower_bound` for
     GPUs whose user budget is below an even share).
 
-Anything else is ``ok``.
+Anything else is ``ok``. ``collapsed`` and ``imbalanced`` do not apply to ``sequential`` maps
+(``in_order=True``): that strategy fills each GPU before the next on purpose.
+
+An ``ok`` map may still offload: when the GPUs' budgets cannot hold the model in any placement,
+:attr:`Assessment.unavoidable` says so and :meth:`Assessment.offload_reason` says why.
 """
 
 from __future__ import annotations
@@ -52,6 +56,39 @@ class Assessment:
     collapsed: bool = False
     overfull: List[Any] = field(default_factory=list)
     problems: List[str] = field(default_factory=list)
+    #: the offloaded bytes are no more than any placement must offload (the map is not to blame)
+    unavoidable: bool = False
+    #: what the GPUs can hold: their budgets less the room GPU 0 keeps for streaming offloaded blocks
+    gpu_room: int = 0
+    #: that room on GPU 0: the largest offloaded block (0 when nothing is offloaded)
+    reserve: int = 0
+    #: the largest block that cannot be split, and the largest GPU budget
+    largest_block: int = 0
+    largest_budget: int = 0
+
+    def offload_reason(self, model_bytes: int) -> str:
+        """Why the offload cannot be avoided, in one sentence ('' when it can, or nothing moves)."""
+        if not (self.unavoidable and self.offloaded):
+            return ""
+        targets = [d for d in ("cpu", "disk") if self.bytes_per_device.get(d)]
+        where = "the CPU and disk" if len(targets) == 2 else ("disk" if targets == ["disk"] else "the CPU")
+        gpus = f"{len(self.gpus)} GPU" + ("s" if len(self.gpus) != 1 else "")
+        reserve = ""
+        if self.reserve and self.gpus:
+            reserve = (f" ({format_bytes(self.reserve)} kept free on GPU {self.gpus[0]} "
+                       "to stream offloaded layers in)")
+        if self.gpu_room < model_bytes:
+            text = (f"offload unavoidable: the model needs {format_bytes(model_bytes)}, the {gpus} offer "
+                    f"{format_bytes(self.gpu_room)} after accelerate's reserves{reserve}")
+        else:  # room enough in total, but not in whole blocks placed in order
+            where_not = ("is larger than every GPU's budget" if self.largest_block > self.largest_budget
+                         else "does not fit what is left on the GPUs")
+            text = (f"offload unavoidable: the {gpus} offer {format_bytes(self.gpu_room)} after "
+                    f"accelerate's reserves{reserve}, as much as the model's {format_bytes(model_bytes)}, "
+                    "but not in whole blocks placed in order: the largest block "
+                    f"({format_bytes(self.largest_block)}) {where_not} "
+                    f"(largest budget {format_bytes(self.largest_budget)})")
+        return text + f"; {format_bytes(self.offloaded)} goes to {where} in whole modules"
 
     @property
     def ratio(self) -> float:
@@ -137,8 +174,10 @@ def assess(
     budgets: Mapping[Any, float],
     low_zero: bool = False,
     tolerance: float = TOLERANCE,
+    in_order: bool = False,
 ) -> Assessment:
-    """Verdict on ``unit_devices`` (unit name -> device) under per-device ``budgets``."""
+    """Verdict on ``unit_devices`` (unit name -> device) under per-device ``budgets``;
+    ``in_order`` for a ``sequential`` map (never collapsed nor imbalanced)."""
     per_device = layout.bytes_per_device(unit_devices)
     gpus = gpu_ids(budgets)
     active = active_gpus(budgets, low_zero)
@@ -155,7 +194,7 @@ def assess(
         problems.append(f"{_dev(d)} holds {format_bytes(per_device[d])}, over its {format_bytes(budgets[d])} budget")
 
     used = [g for g in gpus if loads[g] > 0]
-    collapsed = len(active) >= 2 and len(used) == 1 and layout.total > tolerance * bound
+    collapsed = not in_order and len(active) >= 2 and len(used) == 1 and layout.total > tolerance * bound
     if collapsed:
         problems.append(
             f"all modules on GPU {used[0]} while {len(active)} GPUs have budget "
@@ -164,6 +203,7 @@ def assess(
 
     # accelerate keeps room on its main GPU (the first) to stream an offloaded block back in
     reserve = max(u.size for u in offloaded_units) if offloaded_units else 0
+    unavoidable = False
     if offloaded_units:
         necessary = unavoidable_offload(layout, budgets, reserve)
         if offloaded > necessary:
@@ -173,6 +213,7 @@ def assess(
             )
         else:
             offloaded_units = []
+            unavoidable = True
 
     skipped: List[int] = []
     first_unit_on: Dict[Any, int] = {}
@@ -189,7 +230,8 @@ def assess(
     if skipped:
         problems.append(f"GPU {_ranges(skipped)} left empty while GPU {_ranges(used)} hold the model")
 
-    if max_load > tolerance * bound and not collapsed:
+    imbalanced = not in_order and max_load > tolerance * bound
+    if imbalanced and not collapsed:
         problems.append(
             f"busiest GPU holds {format_bytes(max_load)}, {max_load / bound:.2f}x the lower bound "
             f"{format_bytes(bound)}"
@@ -201,7 +243,7 @@ def assess(
         verdict = OFFLOADED
     elif skipped:
         verdict = SKIPPED
-    elif max_load > tolerance * bound:
+    elif imbalanced:
         verdict = IMBALANCED
     else:
         verdict = OK
@@ -216,6 +258,11 @@ def assess(
         collapsed=collapsed,
         overfull=overfull,
         problems=problems,
+        unavoidable=unavoidable,
+        gpu_room=max(0, int(sum(budgets[g] for g in gpus)) - reserve),
+        reserve=reserve,
+        largest_block=layout.largest,
+        largest_budget=int(max([budgets[g] for g in gpus] or [0])),
     )
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from devmap_shims.cli import main
 
+STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
 # google/gemma-7b: Gemma-2-27B's 256k tied vocabulary, on every transformers since 4.38
 GEMMA_7B = dict(
     model_type="gemma", architectures=["GemmaForCausalLM"], vocab_size=256000, hidden_size=3072,
@@ -28,10 +30,15 @@ def gemma_dir(tmp_path):
     return tmp_path
 
 
+def progress_lines(err):
+    return [line for line in err.splitlines() if line.startswith(("plan: ", "  "))]
+
+
 def assert_usage_error(code, out, err):
+    """Exit 2, nothing on stdout, one error line on stderr (after any progress lines)."""
     assert code == 2
     assert out == ""
-    lines = err.strip().splitlines()
+    lines = [line for line in err.strip().splitlines() if line not in progress_lines(err)]
     assert len(lines) == 1, err
     assert lines[0].startswith("devmap-shims plan: error:")
     assert "Traceback" not in err
@@ -51,13 +58,17 @@ def test_malformed_max_memory(capsys, gemma_dir, caps):
 
 
 def test_missing_file(capsys, tmp_path):
-    assert_usage_error(*run(capsys, str(tmp_path / "nope.json"), "--gpus", "8x23GiB"))
+    code, out, err = run(capsys, str(tmp_path / "nope.json"), "--gpus", "8x23GiB")
+    assert_usage_error(code, out, err)
+    assert f"no such file or folder: {tmp_path / 'nope.json'}" in err
+    assert "a model folder holding config.json, or the config file itself" in err
 
 
 def test_folder_without_config(capsys, tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
     code, out, err = run(capsys, str(tmp_path), "--gpus", "8x23GiB")
     assert_usage_error(code, out, err)
-    assert "config.json" in err
+    assert f"{tmp_path} is a folder without a config.json" in err
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", json.dumps({"hidden_size": 4})])
@@ -165,7 +176,7 @@ def test_user_caps_are_respected(capsys, gemma_dir, stack_ready):
 def test_registered_in_the_cli(capsys, gemma_dir, stack_ready):
     code = main(["plan", str(gemma_dir), "--gpus", "8x", "--json"])
     _, err = capsys.readouterr()
-    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert code == 2 and len(err.strip().splitlines()) == 1  # refused before any progress line
 
 
 def test_a_model_that_cannot_fit_is_not_called_ok(capsys, gemma_dir, stack_ready):
@@ -174,4 +185,150 @@ def test_a_model_that_cannot_fit_is_not_called_ok(capsys, gemma_dir, stack_ready
                        "--without-shims")
     report = json.loads(out)
     assert code == 1 and report["verdict"] == "does not fit", report["verdict"]
-    assert any("cannot stay on the GPUs in any placement" in problem for problem in report["problems"])
+    assert report["offload_unavoidable"] and report["gpu_room_bytes"] < 2 * 2**30 < report["model_bytes"]
+    reason = [p for p in report["problems"] if p.startswith("offload unavoidable: the model needs ")]
+    assert len(reason) == 1, report["problems"]
+    assert "the 2 GPUs offer " in reason[0] and "after accelerate's reserves" in reason[0]
+    assert "goes to disk in whole modules" in reason[0]  # the CPU cannot hold the 1.46 GiB embedding
+
+
+def test_unavoidable_offload_in_text_has_no_ok_and_no_ratio(capsys, gemma_dir, stack_ready):
+    """Gemma-7B in bf16 (15.9 GiB) on 4 x 3 GiB: about 5 GiB must go to the CPU whatever the map."""
+    code, out, _ = run(capsys, str(gemma_dir), "--gpus", "4x3GiB", "--cpu-memory", "100GiB", "-q")
+    assert code == 1
+    verdict = [line for line in out.splitlines() if line.startswith("verdict:")]
+    assert verdict == ["verdict: does not fit"], out
+    text = " ".join(out.split())
+    assert "offload unavoidable: the model needs 15.9" in text
+    assert "the 4 GPUs offer " in text and "after accelerate's reserves" in text
+    assert "goes to the CPU in whole modules" in text
+    assert all(len(line) <= 100 for line in out.splitlines()), out
+
+
+# -- progress, folders, --device-map all, width ---------------------------------------------------------
+
+
+def test_progress_goes_to_stderr_and_never_into_json(capsys, gemma_dir, stack_ready):
+    code, out, err = run(capsys, str(gemma_dir), "--gpus", "8x23GiB", "--quantization", "4bit",
+                         "--cpu-memory", "180GiB", "--json")
+    report = json.loads(out)  # stdout is the JSON object alone
+    assert report["verdict"] == "ok"
+    steps = [line for line in err.splitlines() if line.startswith("plan: ")]
+    assert [s.split(" ")[1] for s in steps] == ["importing", "building", "planning"], err
+    assert steps[0].startswith(f"plan: importing torch {report['versions']['torch']} and transformers "
+                               f"{report['versions']['transformers']}")
+    assert "building GemmaForCausalLM on the meta device" in steps[1]
+    planning = " ".join(err.split())
+    assert ("planning device_map='auto' for 8.5 B parameters over 8 x 23 GiB, with and without the shims"
+            in planning)
+    assert "plan:" not in out
+
+
+def test_quiet_prints_nothing_on_stderr(capsys, gemma_dir, stack_ready):
+    code, out, err = run(capsys, str(gemma_dir), "--gpus", "8x23GiB", "--quantization", "4bit",
+                         "--cpu-memory", "180GiB", "--quiet")
+    assert code == 0 and "verdict: ok" in out and err == ""
+
+
+def test_a_folder_and_its_config_file_give_the_same_plan(capsys, gemma_dir, stack_ready):
+    args = ("--gpus", "8x23GiB", "--quantization", "4bit", "--cpu-memory", "180GiB", "--json", "-q")
+    _, by_folder, _ = run(capsys, str(gemma_dir), *args)
+    _, by_file, _ = run(capsys, str(gemma_dir / "config.json"), *args)
+    assert json.loads(by_folder) == json.loads(by_file)
+    assert json.loads(by_folder)["config"] == str(gemma_dir / "config.json")
+
+
+@pytest.fixture
+def count_builds(monkeypatch):
+    from devmap_shims.cli import device_map_step
+
+    builds = []
+    real = device_map_step.build_meta_model
+
+    def counting(*args, **kwargs):
+        builds.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(device_map_step, "build_meta_model", counting)
+    return builds
+
+
+def test_all_strategies_build_the_model_once(capsys, gemma_dir, stack_ready, count_builds):
+    code, out, err = run(capsys, str(gemma_dir), "--gpus", "8x23GiB", "--quantization", "4bit",
+                         "--cpu-memory", "180GiB", "--device-map", "all", "--json")
+    report = json.loads(out)
+    assert len(count_builds) == 1
+    assert [e["strategy"] for e in report["strategies"]] == list(STRATEGIES)
+    assert report["strategy"] == "all" and report["model_type"] == "gemma"
+    for entry in report["strategies"]:
+        assert {"device_map", "verdict", "bytes_per_device", "without_shims"} <= set(entry)
+        assert {"device_map", "verdict", "bytes_per_device"} <= set(entry["without_shims"])
+        assert sum(entry["bytes_per_device"].values()) == report["model_bytes"]
+    by = {e["strategy"]: e for e in report["strategies"]}
+    # the collapse the shim repairs under auto; sequential fills GPU 0 first, by design, and is left alone
+    assert by["auto"]["verdict"] == "ok" and by["auto"]["without_shims"]["verdict"] != "ok"
+    assert by["balanced_low_0"]["bytes_per_device"].get("0", 0) == 0
+    assert by["sequential"]["shims_applied"] == [] and set(by["sequential"]["device_map"].values()) == {0}
+    assert by["sequential"]["verdict"] == "ok"
+    assert report["verdicts"] == {s: by[s]["verdict"] for s in by}
+    assert code == 0
+    assert "planning device_map='all'" in " ".join(err.split())
+
+
+def test_all_strategies_text_is_a_table_of_four_strategies_with_and_without(capsys, gemma_dir, stack_ready,
+                                                                            count_builds):
+    code, out, _ = run(capsys, str(gemma_dir), "--gpus", "8x23GiB", "--quantization", "4bit", "--cpu-memory",
+                       "180GiB", "--device-map", "all", "-q")
+    assert len(count_builds) == 1
+    lines = out.splitlines()
+    assert all(len(line) <= 100 for line in lines), out
+    head = next(i for i, line in enumerate(lines) if line.startswith("strategy"))
+    rows = [line.split() for line in lines[head + 2:head + 10]]
+    assert [r[0] for r in rows[::2]] == ["auto", "balanced", "balanced_low_0", "sequential"]
+    assert [r[1] for r in rows[::2]] == ["with"] * 4 and [r[0] for r in rows[1::2]] == ["without"] * 4
+    assert rows[0][2] == "ok" and rows[1][1] != "ok"
+
+
+def test_all_strategies_without_shims_shows_the_library_maps_only(capsys, gemma_dir, stack_ready):
+    code, out, _ = run(capsys, str(gemma_dir), "--gpus", "8x23GiB", "--quantization", "4bit", "--cpu-memory",
+                       "180GiB", "--device-map", "all", "--without-shims", "-q")
+    assert code == 1  # the library's auto map of Gemma in 4-bit is degenerate
+    assert " with " not in out and out.count(" without ") == 4
+    assert "each row is the library's own map" in " ".join(out.split())
+
+
+def test_text_output_fits_100_columns_with_a_long_path(capsys, tmp_path, stack_ready):
+    folder = tmp_path / ("a-model-folder-with-a-long-name-" * 3)
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(GEMMA_7B))
+    code, out, err = run(capsys, str(folder), "--gpus", "8x23GiB", "--quantization", "4bit", "--cpu-memory",
+                         "180GiB", "--max-memory", ",".join(f"{i}=1GiB" for i in range(8)))
+    assert out and all(len(line) <= 100 for line in out.splitlines()), out
+    assert all(len(line) <= 100 for line in err.splitlines()), err
+
+
+# -- wrap ------------------------------------------------------------------------------------------------
+
+
+def test_wrap_breaks_at_spaces_but_never_inside_a_version_range_or_a_name_and_version():
+    from devmap_shims.cli.plan import wrap
+
+    text = ("applies to transformers >=4.45, <4.50 with accelerate >= 1.0, < 1.2 and torch 2.15.0 on "
+            "every GPU of 3.82 GiB " * 3)
+    for width in range(40, 101):
+        lines = wrap(text, width=width).splitlines()
+        assert " ".join(" ".join(lines).split()) == " ".join(text.split())
+        assert all(len(line) <= width for line in lines), (width, lines)
+        for line in lines:
+            ends = (">=4.45,", "accelerate >= 1.0,", "torch", "3.82")
+            assert not line.rstrip().endswith(ends), (width, line)
+            assert not line.lstrip().startswith(("<4.50", "< 1.2", "2.15.0", "GiB")), (width, line)
+
+
+def test_elide_path_keeps_the_last_components_that_fit():
+    from devmap_shims.cli.plan import elide_path
+
+    assert elide_path("/models/llama/config.json") == "/models/llama/config.json"
+    long = "/tmp/" + "x" * 120 + "/llama-3-8b/config.json"
+    assert elide_path(long) == ".../llama-3-8b/config.json"
+    assert len(elide_path("/a/" + "b" * 50 + "/" + "c" * 60 + "/config.json", 80)) <= 80

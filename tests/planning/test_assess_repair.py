@@ -246,3 +246,66 @@ def test_gpu0_left_empty_by_the_offload_reserve_is_not_a_skip():
     small = build_layout([(f"l{i}", 21 * G) for i in range(3)])
     b = assess(small, small.unit_devices({"l0": 1, "l1": 2, "l2": 3}), budgets)
     assert b.verdict == SKIPPED and b.skipped == [0]
+
+
+# -- unavoidable offload and sequential maps ------------------------------------------------------
+
+
+def test_unavoidable_offload_says_what_the_model_needs_and_what_the_gpus_offer():
+    """100 bytes of layers on two 30-byte GPUs: GPU 0 keeps 10 free to stream an offloaded
+    layer in, so 50 bytes of GPU room and 50 bytes that no placement keeps on the GPUs."""
+    layout = build_layout([(f"l{i}", 10) for i in range(10)])
+    budgets = gpus(2, 30, cpu=1000)
+    m = {"l0": 0, "l1": 0, "l2": 1, "l3": 1, "l4": 1, **{f"l{i}": "cpu" for i in range(5, 10)}}
+    a = assess(layout, m, budgets)
+    assert a.verdict == OK and a.unavoidable and a.offloaded == 50
+    assert a.reserve == 10 and a.gpu_room == 50
+    reason = a.offload_reason(layout.total)
+    assert reason.startswith("offload unavoidable: the model needs 100 B, the 2 GPUs offer 50 B")
+    assert "after accelerate's reserves (10 B kept free on GPU 0" in reason
+    assert reason.endswith("50 B goes to the CPU in whole modules")
+
+
+def test_avoidable_offload_is_not_called_unavoidable():
+    layout = build_layout([(f"l{i}", 10) for i in range(10)])
+    m = {**{f"l{i}": 0 for i in range(3)}, **{f"l{i}": 1 for i in range(3, 5)}}
+    m.update({f"l{i}": "cpu" for i in range(5, 10)})
+    a = assess(layout, m, gpus(2, 60, cpu=1000))
+    assert a.verdict == OFFLOADED and not a.unavoidable
+    assert a.offload_reason(layout.total) == ""
+
+
+def test_no_offload_has_no_reason():
+    layout = build_layout([(f"l{i}", 10) for i in range(10)])
+    a = assess(layout, {f"l{i}": i // 5 for i in range(10)}, gpus(2, 60))
+    assert a.verdict == OK and not a.unavoidable and a.offload_reason(layout.total) == ""
+
+
+def test_a_sequential_map_on_one_gpu_is_not_collapsed_nor_imbalanced():
+    """sequential fills GPU 0 first on purpose; the same map under auto is collapsed."""
+    layout = build_layout([(f"l{i}", 10) for i in range(10)])
+    m = {f"l{i}": 0 for i in range(10)}
+    assert assess(layout, m, gpus(4, 200)).verdict == COLLAPSED
+    assert assess(layout, m, gpus(4, 200), in_order=True).verdict == OK
+    uneven = {f"l{i}": 0 if i < 8 else 1 for i in range(10)}
+    assert assess(layout, uneven, gpus(2, 200)).verdict == IMBALANCED
+    assert assess(layout, uneven, gpus(2, 200), in_order=True).verdict == OK
+
+
+def test_a_sequential_map_still_may_skip_a_gpu():
+    layout = build_layout([(f"l{i}", 10) for i in range(8)])
+    m = {f"l{i}": (0 if i < 4 else 2) for i in range(8)}
+    a = assess(layout, m, gpus(3, 100), in_order=True)
+    assert a.verdict == SKIPPED and a.skipped == [1]
+
+
+def test_unavoidable_offload_with_room_in_total_blames_the_largest_block():
+    """A 40-byte first block and four 30-byte GPUs: 80 bytes of room (40 kept free on GPU 0) for
+    a 50-byte model, but the first block fits no GPU, and what follows it in order stays off too."""
+    layout = build_layout([("embed", 40), ("l0", 5), ("l1", 5)])
+    budgets = gpus(4, 30, cpu=1000)
+    a = assess(layout, {"embed": "cpu", "l0": "cpu", "l1": "cpu"}, budgets)
+    assert a.verdict == OK and a.unavoidable
+    reason = a.offload_reason(layout.total)
+    assert "as much as the model's 50 B, but not in whole blocks placed in order" in reason
+    assert "the largest block (40 B) is larger than every GPU's budget (largest budget 30 B)" in reason

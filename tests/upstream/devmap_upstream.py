@@ -1,0 +1,242 @@
+"""pytest plugin: run a library's own GPU tests on a simulated multi-GPU machine.
+
+    python -m pytest -p devmap_upstream --upstream-expect tests/upstream/accelerate-1.15.0.toml \\
+        tests/test_big_modeling.py ...          # from the unpacked sdist (scripts/upstream_tests.py)
+
+accelerate's ``require_multi_device``-style decorators read ``torch.cuda.device_count()`` when the
+test module is imported, so the simulation (``devmap_shims.testing.simulated_gpus``) starts in
+``pytest_configure``, before collection, and lasts the whole session. The expectations file (TOML)
+says which upstream tests are deselected and why, which run under ``torch.no_grad()`` while the
+simulator cannot record autograd history, which skips are upstream's own (slow tests, missing
+extras) and how many tests must pass; any other skip (``test requires a GPU``), a missing pass or
+a stale entry fails the session. ``--devmap-shims`` arms the shims (``devmap_shims.install``,
+strict) before the simulation starts, as ``DEVMAP_SHIMS=1`` does at interpreter start.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Iterator, List, Optional
+
+import pytest
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    import tomli as tomllib  # type: ignore[no-redef]
+
+
+class Expectations:
+    """The parsed expectations file (see the module docstring)."""
+
+    def __init__(self, path: str) -> None:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        self.path = path
+        self.gpus: int = int(data.get("gpus", 2))
+        self.memory: str = str(data.get("memory", "512MiB"))
+        self.files: List[str] = list(data["files"])
+        self.passed: int = int(data["passed"])
+        self.multi_gpu: List[str] = list(data.get("multi_gpu", ()))
+        self.no_grad: List[str] = list(data.get("no_grad", ()))
+        self.upstream_skips: List[str] = list(data.get("upstream_skips", ()))
+        self.deselect: Dict[str, str] = dict(data.get("deselect", {}))
+        for nodeid, reason in self.deselect.items():
+            if not reason.startswith(("simulator:", "test:")):
+                raise pytest.UsageError(
+                    f"{path}: the reason for deselecting {nodeid} must start with 'simulator:' or 'test:' "
+                    f"(whose limit it is), got {reason!r}")
+
+
+class UpstreamRun:
+    """The session's simulation, selection and outcome checks."""
+
+    def __init__(self, config: pytest.Config, expect: Expectations) -> None:
+        self.config = config
+        self.expect = expect
+        self.cm: Any = None
+        self.machine: Any = None
+        self.autograd = False
+        self.shims: Optional[str] = None
+        self.passed: List[str] = []
+        self.failed: List[str] = []
+        self.bad_skips: List[str] = []
+        self.upstream_skipped: List[str] = []
+        self.deselected: List[str] = []
+        self.problems: List[str] = []
+
+    # -- the machine -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.config.getoption("devmap_shims"):
+            import devmap_shims
+
+            devmap_shims.install(strict=True)
+            applying = _applying_shims()
+            self.shims = f"installed (strict), {len(applying)} apply: {', '.join(applying) or 'none'}"
+        from devmap_shims.testing.simulator import simulated_gpus
+
+        self.cm = simulated_gpus(self.expect.gpus, memory=self.expect.memory)
+        self.machine = self.cm.__enter__()
+        self.autograd = _records_autograd()
+
+    def stop(self) -> None:
+        if self.cm is not None:
+            cm, self.cm = self.cm, None
+            cm.__exit__(None, None, None)
+
+    # -- outcomes ----------------------------------------------------------------------------
+    def record(self, report: pytest.TestReport) -> None:
+        if report.when == "call" and report.passed:
+            self.passed.append(report.nodeid)
+        elif report.failed:
+            self.failed.append(report.nodeid)
+        elif report.skipped:
+            reason = _skip_reason(report)
+            if any(allowed in reason for allowed in self.expect.upstream_skips):
+                self.upstream_skipped.append(report.nodeid)
+            else:
+                self.bad_skips.append(f"{report.nodeid}: {reason}")
+
+    def check(self) -> None:
+        missing = [nodeid for nodeid in self.expect.multi_gpu if nodeid not in self.passed]
+        for nodeid in missing:
+            self.problems.append(f"multi-GPU test did not pass: {nodeid}")
+        for entry in self.bad_skips:
+            self.problems.append(f"skipped for a reason the expectations do not allow: {entry}")
+        if len(self.passed) != self.expect.passed:
+            self.problems.append(
+                f"{len(self.passed)} tests passed, the expectations say {self.expect.passed} "
+                f"({self.expect.path})")
+
+
+def _records_autograd() -> bool:
+    """Whether the running simulation records autograd history on a simulated GPU."""
+    import torch
+
+    layer = torch.nn.Linear(2, 2).to("cuda:0")
+    try:
+        out = layer(torch.ones(1, 2, device="cuda:0"))
+    except RuntimeError as exc:  # SimulatedAutogradError
+        if type(exc).__name__ == "SimulatedAutogradError":
+            return False
+        raise
+    return out.requires_grad
+
+
+def _applying_shims() -> List[str]:
+    import devmap_shims
+
+    return [f"{shim['id']} ({shim['state']})" for shim in devmap_shims.status()["shims"] if shim["applies"]]
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).replace("Skipped: ", "", 1)
+    return str(longrepr)
+
+
+_RUN: Optional[UpstreamRun] = None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("devmap_upstream", "upstream tests on a simulated multi-GPU machine")
+    group.addoption("--upstream-expect", metavar="TOML", help="expectations file (tests/upstream/<pkg>-<version>.toml)")
+    group.addoption("--devmap-shims", action="store_true", help="arm devmap-shims (strict) before the run")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    global _RUN
+    path = config.getoption("upstream_expect")
+    if not path:
+        raise pytest.UsageError("-p devmap_upstream needs --upstream-expect=<expectations .toml>")
+    _RUN = UpstreamRun(config, Expectations(path))
+    _RUN.start()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global _RUN
+    if _RUN is not None:
+        _RUN.stop()
+        _RUN = None
+
+
+def pytest_report_header(config: pytest.Config) -> List[str]:
+    run = _RUN
+    if run is None:
+        return []
+    lines = [
+        f"simulated machine: {run.expect.gpus} x {run.machine.name}, {run.expect.memory} each "
+        "(devmap_shims.testing.simulated_gpus)",
+        "autograd on simulated GPUs: " + (
+            "recorded" if run.autograd else
+            f"not simulated; {len(run.expect.no_grad)} tests run under torch.no_grad()"),
+    ]
+    if run.shims is not None:
+        lines.append(f"devmap-shims: {run.shims}")
+    return lines
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    run = _RUN
+    if run is None:
+        return
+    collected = {item.nodeid for item in items}
+    listed = list(run.expect.deselect) + run.expect.no_grad + run.expect.multi_gpu
+    stale = sorted({nodeid for nodeid in listed if nodeid not in collected})
+    if stale:
+        raise pytest.UsageError(f"{run.expect.path} names tests that were not collected: {', '.join(stale)}")
+    keep, drop = [], []
+    for item in items:
+        (drop if item.nodeid in run.expect.deselect else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        run.deselected = [item.nodeid for item in drop]
+    items[:] = keep
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    run = _RUN
+    if run is not None and not run.autograd and item.nodeid in run.expect.no_grad:
+        import torch
+
+        with torch.no_grad():
+            yield
+    else:
+        yield
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _RUN is not None:
+        _RUN.record(report)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    run = _RUN
+    if run is None or exitstatus not in (0, 1):
+        return
+    run.check()
+    if run.problems:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    run = _RUN
+    if run is None:
+        return
+    tr = terminalreporter
+    tr.section("upstream tests on the simulated machine")
+    if run.deselected:
+        tr.write_line(f"deselected ({len(run.deselected)}):")
+        for nodeid in run.deselected:
+            tr.write_line(f"  {nodeid}: {run.expect.deselect[nodeid]}")
+    tr.write_line(
+        f"passed {len(run.passed)} (expected {run.expect.passed}; multi-GPU {len(run.expect.multi_gpu)}), "
+        f"failed {len(run.failed)}, skipped by upstream {len(run.upstream_skipped)}, "
+        f"deselected {len(run.deselected)}")
+    if run.shims is not None:
+        tr.write_line(f"devmap-shims at the end: {', '.join(_applying_shims()) or 'none apply'}")
+    for problem in run.problems:
+        tr.write_line(f"EXPECTATION NOT MET: {problem}", red=True)

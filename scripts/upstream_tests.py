@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     env.pop("DEVMAP_SHIMS", None)  # the plugin arms the shims when asked, after pytest starts
     cmd = [sys.executable, "-m", "pytest", "-p", "devmap_upstream", f"--upstream-expect={expect}",
-           "-p", "no:cacheprovider", "-q", "-rfEs", *(["--devmap-shims"] if args.devmap_shims else []),
+           "-p", "no:cacheprovider", "-rfEs", *(["--devmap-shims"] if args.devmap_shims else []),
            *data["files"], *args.pytest_args]
     print(f"upstream_tests: {args.package} {version}{' with devmap-shims' if args.devmap_shims else ''}: "
           f"{' '.join(data['files'])}", file=sys.stderr, flush=True)

@@ -23,13 +23,14 @@ import subprocess
 import sys
 import tarfile
 from importlib import metadata
+from typing import NoReturn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECT_DIR = os.path.join(ROOT, "tests", "upstream")
 CACHE = os.path.join(ROOT, ".nox", "upstream")
 
 
-def _fail(message: str) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
+def _fail(message: str) -> NoReturn:
     print(f"upstream_tests: {message}", file=sys.stderr)
     raise SystemExit(2)
 
@@ -37,7 +38,8 @@ def _fail(message: str) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F8
 def _expectations(package: str, version: str) -> str:
     path = os.path.join(EXPECT_DIR, f"{package}-{version}.toml")
     if not os.path.exists(path):
-        known = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(EXPECT_DIR, f"{package}-*.toml")))
+        pattern = os.path.join(EXPECT_DIR, f"{package}-*.toml")
+        known = sorted(os.path.basename(p)[: -len(".toml")] for p in glob.glob(pattern))
         _fail(f"no expectations for {package} {version} ({path}); there are: {', '.join(known) or 'none'}. "
               "Install one of those versions, or write the file for this one.")
     return path
@@ -85,7 +87,8 @@ def _unpack(sdist: str, package: str, version: str) -> str:
     dest = os.path.join(CACHE, top)
     with tarfile.open(sdist) as tar:
         members = [m for m in tar.getmembers()
-                   if (m.name.startswith(f"{top}/tests/") or m.name == f"{top}/LICENSE") and (m.isfile() or m.isdir())]
+                   if (m.name.startswith(f"{top}/tests/") or m.name == f"{top}/LICENSE")
+                   and (m.isfile() or m.isdir())]
         for m in members:
             if ".." in m.name.split("/") or m.name.startswith("/"):
                 _fail(f"{sdist}: unsafe member {m.name!r}")
@@ -99,7 +102,8 @@ def _unpack(sdist: str, package: str, version: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("package", help="distribution whose tests to run (its installed version)")
-    parser.add_argument("--devmap-shims", action="store_true", help="arm devmap-shims (strict) before the run")
+    parser.add_argument("--devmap-shims", action="store_true",
+                        help="arm devmap-shims (strict) before the run")
     parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     args = parser.parse_args(argv)
     try:

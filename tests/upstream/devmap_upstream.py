@@ -16,7 +16,7 @@ strict) before the simulation starts, as ``DEVMAP_SHIMS=1`` does at interpreter 
 
 from __future__ import annotations
 
-import os
+import textwrap
 from typing import Any, Dict, Iterator, List, Optional, Set
 
 import pytest
@@ -74,8 +74,7 @@ class UpstreamRun:
             import devmap_shims
 
             devmap_shims.install(strict=True)
-            applying = _applying_shims()
-            self.shims = f"installed (strict), {len(applying)} apply: {', '.join(applying) or 'none'}"
+            self.shims = f"installed (strict), {len(_applying_shims())} apply to this stack"
         from devmap_shims.testing.simulator import simulated_gpus
 
         self.cm = simulated_gpus(self.expect.gpus, memory=self.expect.memory)
@@ -101,7 +100,8 @@ class UpstreamRun:
                 self.bad_skips.append(f"{report.nodeid}: {reason}")
 
     def check(self) -> None:
-        missing = [nodeid for nodeid in self.expect.multi_gpu if nodeid in self.collected and nodeid not in self.passed]
+        missing = [nodeid for nodeid in self.expect.multi_gpu
+                   if nodeid in self.collected and nodeid not in self.passed]
         for nodeid in missing:
             self.problems.append(f"multi-GPU test did not pass: {nodeid}")
         for entry in self.bad_skips:
@@ -144,7 +144,8 @@ _RUN: Optional[UpstreamRun] = None
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("devmap_upstream", "upstream tests on a simulated multi-GPU machine")
-    group.addoption("--upstream-expect", metavar="TOML", help="expectations file (tests/upstream/<pkg>-<version>.toml)")
+    group.addoption("--upstream-expect", metavar="TOML",
+                    help="expectations file (tests/upstream/<pkg>-<version>.toml)")
     group.addoption("--devmap-shims", action="store_true", help="arm devmap-shims (strict) before the run")
 
 
@@ -160,7 +161,8 @@ def _begin(options: Any) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: List[str]) -> None:
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser,
+                                  args: List[str]) -> None:
     # before the test folders' conftest.py files, which may import the library's testing helpers
     # (diffusers' tests/conftest.py does) and so read the device count
     _begin(early_config.known_args_namespace)
@@ -200,8 +202,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
         return
     collected = {item.nodeid for item in items}
     # the files as listed, no -k/-m: the counts and the stale-entry check apply
-    run.full = set(config.args) == set(run.expect.files) and not config.option.keyword and not config.option.markexpr
-    run.collected = collected
+    run.full = (set(config.args) == set(run.expect.files)
+                and not config.option.keyword and not config.option.markexpr)
     listed = list(run.expect.deselect) + run.expect.no_grad + run.expect.multi_gpu
     stale = sorted({nodeid for nodeid in listed if nodeid not in collected}) if run.full else []
     if stale:
@@ -213,6 +215,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
         config.hook.pytest_deselected(items=drop)
         run.deselected = [item.nodeid for item in drop]
     items[:] = keep
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if _RUN is not None:  # what runs after every plugin's selection (-k, -m, ours)
+        _RUN.collected = {item.nodeid for item in session.items}
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -250,12 +257,19 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if run.deselected:
         tr.write_line(f"deselected ({len(run.deselected)}):")
         for nodeid in run.deselected:
-            tr.write_line(f"  {nodeid}: {run.expect.deselect[nodeid]}")
+            tr.write_line(f"  {nodeid}")
+            for line in textwrap.wrap(run.expect.deselect[nodeid], width=96, break_on_hyphens=False):
+                tr.write_line(f"    {line}")
     tr.write_line(
         f"passed {len(run.passed)} (expected {run.expect.passed}; multi-GPU {len(run.expect.multi_gpu)}), "
         f"failed {len(run.failed)}, skipped by upstream {len(run.upstream_skipped)}, "
         f"deselected {len(run.deselected)}")
     if run.shims is not None:
-        tr.write_line(f"devmap-shims at the end: {', '.join(_applying_shims()) or 'none apply'}")
+        applying = _applying_shims()
+        active = [shim for shim in applying if shim.endswith("(active)")]
+        text = f"devmap-shims: {len(active)} of {len(applying)} applying shims hooked in: " + ", ".join(
+            shim[: -len(" (active)")] for shim in active)
+        for line in textwrap.wrap(text, width=100, subsequent_indent="  ", break_on_hyphens=False):
+            tr.write_line(line)
     for problem in run.problems:
         tr.write_line(f"EXPECTATION NOT MET: {problem}", red=True)

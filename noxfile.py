@@ -164,6 +164,32 @@ def package(session: nox.Session) -> None:
         session.run(python, "-c", _NO_AUTO_ENABLE_CHECK, env=env, external=True)
 
 
+#: Stacks whose accelerate has an expectations file, tests/upstream/accelerate-<version>.toml.
+UPSTREAM_STACKS = ("current", "late-2025")
+#: The upstream tests' one extra dependency; pip downloads accelerate's sdist (its tests).
+UPSTREAM_TOOLS = ("parameterized==0.9.0", "pip")
+
+
+def _upstream_session(stack: str):
+    @nox.session(name=f"upstream-{stack}", python=interpreter(PYTHON))
+    def run(session: nox.Session) -> None:
+        _install_stack(session, stack)
+        session.install(*UPSTREAM_TOOLS)
+        env = {"DEVMAP_STACK": stack, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        for shims in ((), ("--devmap-shims",)):
+            session.run("python", "scripts/upstream_tests.py", "accelerate", *shims,
+                        *(("--", *session.posargs) if session.posargs else ()), env=env)
+
+    run.__doc__ = (f"accelerate's own GPU tests (sdist) on a simulated 2-GPU machine, stacks/{stack}.txt, "
+                   "without and with the shims.")
+    return run
+
+
+for _stack in UPSTREAM_STACKS:
+    globals()[f"session_upstream_{_stack.replace('-', '_')}"] = _upstream_session(_stack)
+nox.options.sessions = [*nox.options.sessions, *(f"upstream-{stack}" for stack in UPSTREAM_STACKS)]
+
+
 @nox.session(python=PYTHON, venv_backend="none")
 def lock(session: nox.Session) -> None:
     """Recompile stacks/*.txt from stacks/*.in (current-runtime.txt from current.txt's versions)."""

@@ -17,6 +17,9 @@ WIDTH = 100
 ELLIPSIS = "..."
 
 _OPENERS, _CLOSERS = "([{", ")]}"
+#: A bracketed group up to this wide is kept whole (``(last checked 2026-11-01)``); a longer one
+#: is prose in parentheses and is broken between its words like the rest.
+GROUP_WIDTH = 40
 #: A word that starts a version specifier (``>=0.41.2,<0.43.0``, ``==4.27.2``): it stays on the
 #: line of the word before it, so ``accelerate >=1.4.0`` is never split in two.
 _SPECIFIER = re.compile(r"^(?:[<>]=?|[=!~]=|===)\S")
@@ -36,8 +39,9 @@ def _depth(word: str) -> int:
 
 
 def atoms(text: str) -> List[str]:
-    """``text``'s unbreakable pieces, in order: its words, except that a bracketed group
-    (``[no shim: pass max_memory]``, ``(last checked 2026-11-01)``) is one piece, and a version
+    """``text``'s unbreakable pieces, in order: its words, except that a bracketed group of up to
+    ``GROUP_WIDTH`` columns (``[no shim: pass max_memory]``, ``(last checked 2026-11-01)``) is one
+    piece, and a version
     specifier is one piece with the word before it (``bitsandbytes >=0.41.2,<0.45.3``).
     Whitespace is normalised to one space."""
     words = text.split()
@@ -49,7 +53,7 @@ def atoms(text: str) -> List[str]:
             group.append(words[j])
             depth += _depth(words[j])
             j += 1
-        if depth > 0:  # an opener never closed: the words stay apart
+        if depth > 0 or len(" ".join(group)) > GROUP_WIDTH:  # unclosed, or prose: words apart
             group, j = [words[i]], i + 1
         piece = " ".join(group)
         if merged and _SPECIFIER.match(piece):

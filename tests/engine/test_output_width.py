@@ -7,15 +7,16 @@ import re
 
 import pytest
 
-from devmap_shims.cli._output import WIDTH, atoms, elide, fit, table, wrap
+from devmap_shims.cli._output import GROUP_WIDTH, WIDTH, atoms, elide, fit, table, wrap
 
 SENTENCE = (
     "bnb-quantstate-code-not-moved applies: bitsandbytes is in >=0.41.2,<0.45.3 and the shim "
-    "[quant-state-follows-weight] moves the quant state (see bitsandbytes-foundation/bitsandbytes#1342) "
+    "[quant-state-follows-weight] moves the quant state (bitsandbytes-foundation/bitsandbytes#1342) "
+    "(when a Params4bit or an Int8Params is moved) "
     "whenever a Params4bit is moved with .to(), on diffusers >=0.31.0,<0.33.0; accelerate <1.2.0"
 )
 RANGES = [">=0.41.2,<0.45.3", ">=0.31.0,<0.33.0;", "<1.2.0"]
-GROUPS = ["[quant-state-follows-weight]", "(see bitsandbytes-foundation/bitsandbytes#1342)"]
+GROUPS = ["[quant-state-follows-weight]", "(bitsandbytes-foundation/bitsandbytes#1342)"]
 
 
 def test_default_width_is_100():
@@ -29,6 +30,9 @@ def test_atoms_keep_groups_and_bind_specifiers_to_the_word_before():
     assert atoms("  a\n\tb  ") == ["a", "b"]
     # an opener never closed does not swallow the rest of the text
     assert atoms("x (unclosed and more words") == ["x", "(unclosed", "and", "more", "words"]
+    # a long parenthesis is prose: broken between its words like the rest
+    prose = "(taken by matmul_4bit for single-row inputs without grad)"
+    assert len(prose) > GROUP_WIDTH and atoms(prose) == prose.split()
 
 
 @pytest.mark.parametrize("width", range(60, 131, 7))

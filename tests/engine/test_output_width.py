@@ -85,6 +85,10 @@ def test_a_piece_wider_than_the_line_is_broken_at_its_spaces_commas_or_slashes()
     lines = wrap(specs, 40)
     assert all(len(line) <= 40 for line in lines) and "".join(lines) == specs
     assert all(re.fullmatch(r"(!=\d+\.0\.\d+,)*(!=\d+\.0\.\d+)?", line) for line in lines)  # cut after commas
+    target = "transformers.models.musicgen_melody.modeling_musicgen_melody:MusicgenMelodyForConditionalGeneration.generate"
+    lines = wrap(target, 100)
+    assert "".join(lines) == target and all(len(line) <= 100 for line in lines)
+    assert lines[0].endswith((":", ".")) and lines[1] == "generate"  # between names, not inside one
     assert wrap("x" * 250, 100) == ["x" * 100, "x" * 100, "x" * 50]
     assert wrap("", 100) == [""]
 

@@ -20,9 +20,10 @@ _OPENERS, _CLOSERS = "([{", ")]}"
 #: A bracketed group up to this wide is kept whole (``(last checked 2026-11-01)``); a longer one
 #: is prose in parentheses and is broken between its words like the rest.
 GROUP_WIDTH = 40
-#: A word that starts a version specifier (``>=0.41.2,<0.43.0``, ``==4.27.2``): it stays on the
-#: line of the word before it, so ``accelerate >=1.4.0`` is never split in two.
-_SPECIFIER = re.compile(r"^(?:[<>]=?|[=!~]=|===)\S")
+#: A word that starts a version specifier (``>=0.41.2,<0.43.0``, ``==4.27.2``) or is a version
+#: (``0.45.3``): it stays on the line of the word before it, so ``accelerate >=1.4.0`` and
+#: ``bitsandbytes 0.45.3`` are never split in two.
+_SPECIFIER = re.compile(r"^(?:(?:[<>]=?|[=!~]=|===)\S|\d+\.\d+)")
 
 
 def _depth(word: str) -> int:
@@ -33,7 +34,7 @@ def atoms(text: str) -> List[str]:
     """``text``'s unbreakable pieces, in order: its words, except that a bracketed group of up to
     ``GROUP_WIDTH`` columns (``[no shim: pass max_memory]``, ``(last checked 2026-11-01)``) is one
     piece, and a version
-    specifier is one piece with the word before it (``bitsandbytes >=0.41.2,<0.45.3``).
+    specifier or number is one piece with the word before it (``bitsandbytes >=0.41.2,<0.45.3``).
     Whitespace is normalised to one space."""
     words = text.split()
     merged: List[str] = []
@@ -144,7 +145,8 @@ def fit(
     return "\n".join(wrap(text, width, indent, hang, max_lines))
 
 
-def elide(text: str, width: int = WIDTH) -> str:
-    """``text`` on one line of at most ``width`` columns, ending in ``...`` where words were left
-    out; never ends in a fragment of a version range or of a bracketed group."""
-    return wrap(text, width, max_lines=1)[0]
+def elide(text: str, width: int = WIDTH, indent: str = "") -> str:
+    """``text`` on one line of at most ``width`` columns (``indent`` included), ending in ``...``
+    where words were left out; never ends in a fragment of a version range or of a bracketed
+    group."""
+    return wrap(text, width, indent, max_lines=1)[0]

@@ -28,6 +28,7 @@ def test_atoms_keep_groups_and_bind_specifiers_to_the_word_before():
     assert atoms("accelerate <1.2.0; bitsandbytes (any version) [no shim: pass max_memory]") == [
         "accelerate <1.2.0;", "bitsandbytes", "(any version)", "[no shim: pass max_memory]"]
     assert atoms("  a\n\tb  ") == ["a", "b"]
+    assert atoms("bitsandbytes 0.45.3 is the fix") == ["bitsandbytes 0.45.3", "is", "the", "fix"]
     # an opener never closed does not swallow the rest of the text
     assert atoms("x (unclosed and more words") == ["x", "(unclosed", "and", "more", "words"]
     # a long parenthesis is prose: broken between its words like the rest
@@ -69,6 +70,8 @@ def test_elide_ends_at_a_piece_boundary_with_a_marker(width):
 
 def test_elide_short_text_is_unchanged():
     assert elide("short text", 100) == "short text"
+    assert elide("short text", 100, indent="  x: ") == "  x: short text"
+    assert len(elide(SENTENCE, 60, indent=" " * 20)) <= 60
 
 
 def test_max_lines_elides_the_last_line():

@@ -165,3 +165,46 @@ def test_shim_lines_keep_within_the_room_given(doctor_json):
     for room in (3, 6, 10, 30):
         lines = shim_lines(shims, room=room)
         fits(lines, room)
+
+
+def _readme_section(heading):
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    start = text.index(heading + "\n")
+    end = text.find("\n#", start + len(heading))
+    return text[start:end]
+
+
+def _top_level_names(bullet):
+    """The backquoted names of ``bullet`` outside any parenthesis."""
+    import re
+
+    depth, kept = 0, []
+    for ch in bullet:
+        depth += ch == "("
+        if depth == 0:
+            kept.append(ch)
+        depth -= ch == ")" and depth > 0
+    return set(re.findall(r"`([A-Za-z_]+)`", "".join(kept)))
+
+
+def test_readme_documents_every_top_level_key_of_doctor_json(capsys):
+    section = _readme_section("## JSON output")
+    bullet = section[section.index("* `doctor`:"):section.index("\n* `matrix`")]
+    code = main(["doctor", "--json", "--no-import", "--no-devices"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert _top_level_names(bullet[len("* `doctor`:"):]) == set(data)
+    shim_keys = bullet[bullet.index("(each:"):bullet.index("`targets`")]
+    assert {k for k in data["shims"][0] if k != "targets"} <= _top_level_names(shim_keys.replace("(each:", ""))
+    assert set(devmap_shims.status()) < set(data)  # status() has the keys before applicable_rows
+
+
+def test_readme_lists_every_accepted_log_level():
+    from devmap_shims.shims.config import LOG_LEVELS
+
+    section = _readme_section("### Environment variable, no code change")
+    row = next(line for line in section.splitlines() if line.startswith("| `DEVMAP_SHIMS_LOG`"))
+    documented = row.split("|")[2].split("(")[0]
+    import re
+
+    assert set(re.findall(r"`(\w+)`", documented)) == set(LOG_LEVELS)

@@ -202,8 +202,7 @@ def _explain_shim(shim: Any, matrix: Any, as_json: bool) -> int:
         _field("wraps", target)
     for row in rows:
         rng = "; ".join(f"{d} {s}" for d, s in (row["affected"] or {}).items()) or "?"
-        _field("fixes", row["id"])
-        _field("", f"{rng}; fixed in {row['fixed_in']}")
+        _field("fixes", f"{row['id']}: {rng}; fixed in {row['fixed_in']}")
         _field("", f"here: {'AFFECTED' if row['applies_here'] else 'not affected'} ({row['applicability']})")
     _field("armed here", f"{'yes' if data['armed_here'] else 'no'} (DEVMAP_SHIMS_FORCE={shim.id} arms it anyway)")
     return EXIT_OK

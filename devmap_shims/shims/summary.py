@@ -82,8 +82,9 @@ def shim_lines(
     indent: str = "  ",
 ) -> List[str]:
     """Lines for ``shims`` (``status()["shims"]``), at most ``width`` columns and, with ``room``,
-    at most ``room`` lines (never fewer than one line per group). ``more`` tells where the full
-    list is (``(--verbose lists them)``); it ends the line of the shims that are off here."""
+    at most ``room`` lines: a line per shim (a second one for the first that need it while room
+    lasts); else the active shims as a list of ids; else every group as a list. ``more`` tells
+    where the full list is (``(--verbose lists them)``); it ends the line of the shims off here."""
     groups: Dict[str, List[Dict[str, Any]]] = {g: [] for g in GROUPS}
     for shim in shims:
         groups[group_of(shim)].append(shim)

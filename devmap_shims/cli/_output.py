@@ -53,7 +53,9 @@ def _total(widths: List[int]) -> int:
     return sum(widths) + 2 * (len(widths) - 1)
 
 
-def _narrowed(widths: List[int], headers: List[str], cells: List[List[str]], width: int) -> Optional[List[int]]:
+def _narrowed(
+    widths: List[int], headers: List[str], cells: List[List[str]], width: int
+) -> Optional[List[int]]:
     """Column widths that fit ``width`` with the gaps, the widest column giving up a column at a
     time but none going below its header or its widest unbreakable piece; None if none fit."""
     floors = [

@@ -124,7 +124,8 @@ def _heading(data: Dict[str, Any]) -> List[str]:
     auto = data["auto_enable"]
     lines.append(elide(
         f"{'active' if auto['active'] else 'inactive'} "
-        f"({'DEVMAP_SHIMS=' + auto['DEVMAP_SHIMS'] if auto['DEVMAP_SHIMS'] else 'DEVMAP_SHIMS unset'}; .pth {'present' if auto['pth_files'] else 'missing'}; "
+        f"({'DEVMAP_SHIMS=' + auto['DEVMAP_SHIMS'] if auto['DEVMAP_SHIMS'] else 'DEVMAP_SHIMS unset'}; "
+        f".pth {'present' if auto['pth_files'] else 'missing'}; "
         f"start module {'present' if auto['start_modules'] else 'missing: reinstall devmap-shims'})", WIDTH,
         "  auto-enable: "))
     return lines
@@ -141,7 +142,8 @@ def _device_lines(dev: Optional[Dict[str, Any]]) -> List[str]:
     gpus = dev.get("gpus") or []
     if not gpus:
         error = f"; {dev['error']}" if dev.get("error") else ""
-        return [f"  devices:     no CUDA GPU available (torch built for CUDA {dev.get('torch_cuda_build')}; {where}){error}"]
+        build = dev.get("torch_cuda_build")
+        return [f"  devices:     no CUDA GPU available (torch built for CUDA {build}; {where}){error}"]
     kinds: Dict[Tuple[str, int], List[int]] = {}
     for gpu in gpus:
         kinds.setdefault((gpu["name"], gpu["total_memory"]), []).append(gpu["index"])
@@ -166,16 +168,19 @@ def report(data: Dict[str, Any], max_lines: int = MAX_LINES) -> List[str]:
     active = {s["id"] for s in shims if s["state"] == "active"}
     fixed = [r for r in rows if r["shim"] in active]
     unfixed = [r for r in rows if r["shim"] not in active]
-    counts = {state: sum(1 for s in shims if s["state"] == state) for state in ("active", "pending", "failed", "skipped")}
+    counts = {state: sum(1 for s in shims if s["state"] == state)
+              for state in ("active", "pending", "failed", "skipped")}
     lines = wrap(
-        f"devmap-shims doctor: {len(rows)} known {'bugs apply' if len(rows) != 1 else 'bug applies'} to your stack; "
+        f"devmap-shims doctor: {len(rows)} known {'bugs apply' if len(rows) != 1 else 'bug applies'} "
+        "to your stack; "
         f"{len(fixed)} fixed by active shims", WIDTH, hang="  ")
     lines += _heading(data)
     tail: List[str] = []
     if unfixed:
         names = ", ".join(r["id"] + (f" (shim {r['shim']} {_state_of(shims, r['shim'])})" if r["shim"] else "")
                           for r in unfixed)
-        tail += ["", f"Bugs here that no active shim fixes ({len(unfixed)}); `devmap-shims explain ID` for the workaround:"]
+        tail += ["", f"Bugs here that no active shim fixes ({len(unfixed)}); "
+                     "`devmap-shims explain ID` for the workaround:"]
         tail += wrap(names, WIDTH, "  ", max_lines=3)
     warnings = data["warnings"]
     if warnings:
@@ -208,7 +213,8 @@ def verbose_report(data: Dict[str, Any]) -> List[str]:
     lines += ["", "Shims:"]
     for shim in data["shims"]:
         state = "OFF" if shim["state"] == "skipped" else shim["state"].upper()
-        lines += wrap(shim["applicability"] or "", WIDTH, f"  {shim['id']:28s} {state:8s}", hang=" " * 40, max_lines=2)
+        prefix = f"  {shim['id']:28s} {state:8s}"
+        lines += wrap(shim["applicability"] or "", WIDTH, prefix, hang=" " * 40, max_lines=2)
         for target in shim["targets"]:
             text = f"{target['target']}: {target['state']}"
             if target["state"] != "active":

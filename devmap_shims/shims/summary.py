@@ -65,7 +65,8 @@ def reason(shim: Dict[str, Any]) -> str:
             return f"{first.get('target')}{more}: {first.get('error') or first.get('reason')}"
         return f"{shim.get('call_failures', 0)} call(s) fell back to the original"
     if group == "pending":
-        modules = sorted({str(t.get("target", "")).partition(":")[0] for t in targets if t.get("state") == "pending"})
+        pending = [t for t in targets if t.get("state") == "pending"]
+        modules = sorted({str(t.get("target", "")).partition(":")[0] for t in pending})
         return f"waits for {modules[0]} to be imported" if len(modules) == 1 else (
             f"waits for {len(modules)} modules to be imported: {', '.join(modules)}")
     if group == "off":
@@ -156,7 +157,8 @@ def summary(data: Dict[str, Any], width: int = WIDTH) -> str:
     for shim in shims:
         state = str(shim.get("state"))
         counts[state] = counts.get(state, 0) + 1
-    states = ", ".join(f"{counts.get(s, 0)} {'off' if s == 'skipped' else s}" for s in ("active", "pending", "failed", "skipped"))
+    states = ", ".join(
+        f"{counts.get(s, 0)} {'off' if s == 'skipped' else s}" for s in ("active", "pending", "failed", "skipped"))
     if not data.get("installed") and not data.get("killed") and not shims:
         lines = ["devmap-shims: not installed (call devmap_shims.install(), or set DEVMAP_SHIMS=1)"]
         return "\n".join(lines + _versions_line(data.get("versions") or {}, width))
@@ -175,5 +177,6 @@ def summary(data: Dict[str, Any], width: int = WIDTH) -> str:
         lines.append(elide(f"warning: {warning}", width, "  "))
     if len(warnings) > 2:
         lines.append(f"  and {len(warnings) - 2} more warnings (status()[\"warnings\"])")
-    lines.append(elide('(a dict: status()["shims"] has every shim and target; json.dumps(status()) prints it all)', width))
+    footer = '(a dict: status()["shims"] has every shim and target; json.dumps(status()) prints it all)'
+    lines.append(elide(footer, width))
     return "\n".join(lines)

@@ -108,6 +108,9 @@ def shim_lines(
 
     def listed(name: str, members: List[Dict[str, Any]], max_lines: int) -> List[str]:
         ids = ", ".join(str(s["id"]) for s in members)
+        reasons = {reason(s) for s in members}
+        if name == "off" and len(reasons) == 1:  # all off for one cause: say it
+            name = f"off ({reasons.pop()})"
         return wrap(f"{len(members)} {name}: {ids}", width, indent, hang=indent + "  ", max_lines=max_lines)
 
     shown = [(g, m) for g, m in groups.items() if m]

@@ -208,3 +208,18 @@ def test_readme_lists_every_accepted_log_level():
     import re
 
     assert set(re.findall(r"`(\w+)`", documented)) == set(LOG_LEVELS)
+
+
+def test_status_summary_says_why_shims_are_off_when_the_user_disabled_them():
+    code = "import devmap_shims; devmap_shims.install(); print(devmap_shims.status())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env(DEVMAP_SHIMS_DISABLE="*"), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    fits(lines, 20)
+    import re
+
+    n = re.search(r"; (\d+) shims: 0 active, 0 pending, 0 failed, (\d+) off$", lines[0])
+    assert n and n.group(1) == n.group(2) and int(n.group(1)) > 0, lines[0]
+    assert any(line.strip().startswith(f"{n.group(1)} off (disabled by DEVMAP_SHIMS_DISABLE=*): ")
+               for line in lines), proc.stdout

@@ -1,14 +1,19 @@
-"""``devmap-shims doctor``: versions, devices, the bugs that apply here and the state of every shim."""
+"""``devmap-shims doctor``: versions, devices, the bugs that apply here and the state of every shim.
+
+By default at most :data:`MAX_LINES` lines of at most 100 columns, whatever the stack: the shims
+off because their bugs are not in these versions share one line; ``--verbose`` lists every shim
+and each of its targets, ``--json`` everything."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
-from devmap_shims.cli._output import EXIT_OK, print_json
+from devmap_shims.cli._output import EXIT_OK, WIDTH, elide, print_json, wrap
 from devmap_shims.shims.config import flag
+from devmap_shims.shims.summary import shim_lines
 from devmap_shims.versions import TARGET_DISTRIBUTIONS
 
 
@@ -16,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--no-import", action="store_true", help="do not import the target libraries (faster, shims stay pending)")
     parser.add_argument("--no-devices", action="store_true", help="do not import torch to list GPUs")
+    parser.add_argument("--verbose", "-v", action="store_true", help="every bug that applies, every shim and each of its targets")
 
 
 def _auto_enable_info() -> Dict[str, Any]:
@@ -102,40 +108,121 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(data)
         return EXIT_OK
-    print("devmap-shims doctor")
-    print("\nInstalled versions:")
-    for name, version in versions.items():
-        print(f"  {name:14s} {version or '-'}")
-    if data["devices"] is not None:
-        dev = data["devices"]
-        print("\nDevices:")
-        if "error" in dev and "gpus" not in dev:
-            print(f"  {dev['error']}")
-        else:
-            print(f"  torch CUDA build: {dev.get('torch_cuda_build')}; CUDA available: {dev.get('cuda_available')}")
-            for gpu in dev.get("gpus", []):
-                print(f"  cuda:{gpu['index']}  {gpu['name']}  {gpu['total_memory'] / 2**30:.1f} GiB")
-    print(f"\nKnown bugs that apply here ({len(applicable)}):")
-    for row in applicable:
-        print(f"  {row.id}  [{shim_of.get(row.id) or 'no shim: ' + row.workaround[:60]}]")
-    print("\nShims:")
-    for shim in data["shims"]:
-        print(f"  {shim['id']:28s} {shim['state'].upper():8s} {shim['applicability'][:100]}")
-        for target in shim["targets"]:
-            line = f"      {target['target']}: {target['state']}"
-            if target["state"] != "active":
-                line += f" ({target['reason'][:110]})"
-            elif target["rebound"]:
-                line += f" (+{len(target['rebound'])} by-name copies rebound)"
-            print(line)
-    auto = data["auto_enable"]
-    print(
-        f"\nAuto-enable: {'active' if auto['active'] else 'inactive'} "
-        f"(DEVMAP_SHIMS={auto['DEVMAP_SHIMS'] or 'unset'}; .pth {'present' if auto['pth_files'] else 'missing'}; "
-        f"start module {'present' if auto['start_modules'] else 'missing: reinstall devmap-shims'})"
-    )
-    for warning in data["warnings"]:
-        print(f"warning: {warning}")
-    print("\nTo find tensors left on the wrong device in your own model or pipeline:")
-    print("  devmap_shims.check_devices(model_or_pipe)")
+    print("\n".join(verbose_report(data) if args.verbose else report(data)))
     return EXIT_OK
+
+
+#: The most lines ``doctor`` prints without ``--verbose``, whatever the stack and the shims.
+MAX_LINES = 30
+
+
+def _heading(data: Dict[str, Any]) -> List[str]:
+    """Versions, devices and auto-enable, each on a line (two at most)."""
+    versions = ", ".join(f"{name} {version or '-'}" for name, version in data["versions"].items())
+    lines = wrap(versions, WIDTH, "  versions:    ", hang=" " * 15, max_lines=2)
+    lines += [elide(line[15:], WIDTH, line[:15]) for line in _device_lines(data["devices"])]
+    auto = data["auto_enable"]
+    lines.append(elide(
+        f"{'active' if auto['active'] else 'inactive'} "
+        f"({'DEVMAP_SHIMS=' + auto['DEVMAP_SHIMS'] if auto['DEVMAP_SHIMS'] else 'DEVMAP_SHIMS unset'}; "
+        f".pth {'present' if auto['pth_files'] else 'missing'}; "
+        f"start module {'present' if auto['start_modules'] else 'missing: reinstall devmap-shims'})", WIDTH,
+        "  auto-enable: "))
+    return lines
+
+
+def _device_lines(dev: Optional[Dict[str, Any]]) -> List[str]:
+    """One line for no GPU or an error; otherwise a line per kind of GPU (three kinds at most)."""
+    if dev is None:
+        return ["  devices:     not looked at (--no-devices)"]
+    if "error" in dev and "gpus" not in dev:
+        return [f"  devices:     {dev['error']}"]
+    visible = dev.get("CUDA_VISIBLE_DEVICES")
+    where = f"CUDA_VISIBLE_DEVICES={visible}" if visible is not None else "CUDA_VISIBLE_DEVICES unset"
+    gpus = dev.get("gpus") or []
+    if not gpus:
+        error = f"; {dev['error']}" if dev.get("error") else ""
+        build = dev.get("torch_cuda_build")
+        return [f"  devices:     no CUDA GPU available (torch built for CUDA {build}; {where}){error}"]
+    kinds: Dict[Tuple[str, int], List[int]] = {}
+    for gpu in gpus:
+        kinds.setdefault((gpu["name"], gpu["total_memory"]), []).append(gpu["index"])
+    lines = []
+    for i, ((name, memory), indices) in enumerate(kinds.items()):
+        label = "  devices:     " if i == 0 else " " * 15
+        at = f"cuda:{indices[0]}" if len(indices) == 1 else f"cuda:{indices[0]}..{indices[-1]}"
+        lines.append(f"{label}{len(indices)} x {name}, {memory / 2**30:.1f} GiB each ({at})")
+    if len(lines) > 3:
+        lines = lines[:2] + [f"{' ' * 15}and {len(kinds) - 2} more kinds of GPU (--json lists them)"]
+    return lines
+
+
+def report(data: Dict[str, Any], max_lines: int = MAX_LINES) -> List[str]:
+    """What a person reads at a glance, in at most ``max_lines`` lines of at most ``WIDTH``
+    columns: versions, devices, how many known bugs apply and how many an active shim fixes, a
+    line per shim that is active, pending or failed (the shims off because their bugs are not in
+    these versions share one line), and the bugs that apply with no active shim. ``data`` is what
+    ``doctor --json`` prints."""
+    shims = data["shims"]
+    rows = data["applicable_rows"]
+    active = {s["id"] for s in shims if s["state"] == "active"}
+    fixed = [r for r in rows if r["shim"] in active]
+    unfixed = [r for r in rows if r["shim"] not in active]
+    counts = {state: sum(1 for s in shims if s["state"] == state)
+              for state in ("active", "pending", "failed", "skipped")}
+    lines = wrap(
+        f"devmap-shims doctor: {len(rows)} known {'bugs apply' if len(rows) != 1 else 'bug applies'} "
+        "to your stack; "
+        f"{len(fixed)} fixed by active shims", WIDTH, hang="  ")
+    lines += _heading(data)
+    tail: List[str] = []
+    if unfixed:
+        names = ", ".join(r["id"] + (f" (shim {r['shim']} {_state_of(shims, r['shim'])})" if r["shim"] else "")
+                          for r in unfixed)
+        tail += ["", f"Bugs here that no active shim fixes ({len(unfixed)}); "
+                     "`devmap-shims explain ID` for the workaround:"]
+        tail += wrap(names, WIDTH, "  ", max_lines=3)
+    warnings = data["warnings"]
+    if warnings:
+        tail.append("")
+        tail += [elide(w, WIDTH, "warning: ") for w in warnings[:2]]
+        if len(warnings) > 2:
+            tail.append(f"and {len(warnings) - 2} more warnings (--json lists them)")
+    tail += ["", "Each shim's targets: --verbose. Tensors on the wrong device in your model or pipeline:",
+             "  devmap_shims.check_devices(model_or_pipe)"]
+    head = ["", f"Shims ({len(shims)}): {counts['active']} active, {counts['pending']} pending, "
+                f"{counts['failed']} failed, {counts['skipped']} off"]
+    room = max_lines - len(lines) - len(tail) - len(head)
+    lines += head + shim_lines(shims, WIDTH, room=room, more="(--verbose lists them)")
+    return lines + tail
+
+
+def _state_of(shims: List[Dict[str, Any]], shim_id: str) -> str:
+    state = next((s["state"] for s in shims if s["id"] == shim_id), "missing")
+    return "off" if state == "skipped" else state
+
+
+def verbose_report(data: Dict[str, Any]) -> List[str]:
+    """Everything: each applicable row, each shim with each of its targets, within ``WIDTH``."""
+    rows = data["applicable_rows"]
+    lines = ["devmap-shims doctor --verbose"] + _heading(data)
+    lines += ["", f"Known bugs that apply here ({len(rows)}):"]
+    for row in rows:
+        text = f"{row['id']} [{row['shim'] or 'no shim: ' + row['workaround']}]"
+        lines += wrap(text, WIDTH, "  ", hang="      ", max_lines=2)
+    lines += ["", "Shims:"]
+    for shim in data["shims"]:
+        state = "OFF" if shim["state"] == "skipped" else shim["state"].upper()
+        prefix = f"  {shim['id']:28s} {state:8s}"
+        lines += wrap(shim["applicability"] or "", WIDTH, prefix, hang=" " * 40, max_lines=2)
+        for target in shim["targets"]:
+            text = f"{target['target']}: {target['state']}"
+            if target["state"] != "active":
+                text += f" ({target['reason']})"
+            elif target["rebound"]:
+                text += f" (+{len(target['rebound'])} by-name copies rebound)"
+            lines += wrap(text, WIDTH, "      ", hang="          ", max_lines=2)
+    lines += [elide(w, WIDTH, "warning: ") for w in data["warnings"]]
+    lines += ["", "Tensors on the wrong device in your model or pipeline:",
+              "  devmap_shims.check_devices(model_or_pipe)"]
+    return lines

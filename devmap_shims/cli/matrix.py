@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from devmap_shims.cli._output import EXIT_OK, UsageError, print_json, table
+from devmap_shims.cli._output import EXIT_OK, WIDTH, UsageError, fit, print_json, wrap
 
 
 def add_matrix_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,10 +97,25 @@ def run_matrix(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"schema_version": 1, "rows": [row_to_dict(r, shim_of.get(r.id)) for r in rows]})
         return EXIT_OK
-    cells = [[r.id, r.library, r.affected_text, r.fixed_in_text, shim_of.get(r.id) or "workaround"] for r in rows]
-    print(table(cells, ["id", "library", "affected", "fixed in", "shim"]))
+    print(matrix_text(rows, shim_of))
     print(f"\n{len(rows)} row(s). `devmap-shims explain ID` shows one in full.")
     return EXIT_OK
+
+
+def matrix_text(rows: List[Any], shim_of: Dict[str, str], width: int = WIDTH) -> str:
+    """The rows in two lines each, within ``width`` columns: the id and the shim that works around
+    it (or ``workaround``: see ``explain``), then, indented, the affected range and its fix.
+    A range is never broken across lines (see ``_output.wrap``)."""
+    id_width = max([len("id")] + [len(r.id) for r in rows])
+    shims = [shim_of.get(r.id) or "workaround" for r in rows]
+    shim_width = max([len("shim")] + [len(s) for s in shims])
+    id_width = min(id_width, max(width - 2 - shim_width, width // 2))
+    lines = [f"{'id':{id_width}s}  shim", "    affected -> fixed in", "-" * min(width, id_width + 2 + shim_width)]
+    for row, shim in zip(rows, shims):
+        head = f"{row.id:{id_width}s}  {shim}"
+        lines += [head] if len(head) <= width else [row.id[:width], f"{'':{id_width}s}  {shim}"[-width:]]
+        lines += wrap(f"{row.affected_text} -> {row.fixed_in_text}", width, indent="    ", hang="      ")
+    return "\n".join(lines)
 
 
 def run_explain(args: argparse.Namespace) -> int:
@@ -135,24 +150,24 @@ def _explain_row(row: Any, shim: Optional[str], as_json: bool) -> int:
         data["applicability"] = why
         print_json(data)
         return EXIT_OK
-    print(f"{row.id}: {row.title}")
-    print(f"  library:     {row.library}")
-    print(f"  affected:    {row.affected_text}")
-    print(f"  here:        {'AFFECTED' if applies else 'not affected'} ({why})")
-    print(f"  fixed in:    {row.fixed_in_text}")
+    print(fit(f"{row.id}: {row.title}", hang="  "))
+    _field("library", row.library)
+    _field("affected", row.affected_text)
+    _field("here", f"{'AFFECTED' if applies else 'not affected'} ({why})")
+    _field("fixed in", row.fixed_in_text)
     if shim:
-        print(f"  shim:        {shim} (`devmap-shims explain {shim}`)")
-    print(f"  workaround:  {row.workaround}")
-    print(f"  symptom:     {row.symptom}")
-    print(f"  root cause:  {row.root_cause}")
+        _field("shim", f"{shim} (`devmap-shims explain {shim}`)")
+    _field("workaround", row.workaround)
+    _field("symptom", row.symptom)
+    _field("root cause", row.root_cause)
     for url in row.upstream_urls:
-        print(f"  upstream:    {url}")
+        _field("upstream", url)
     if isinstance(row.fixed_in, dict) and row.fixed_in:
         upgrades = ", ".join(f"{k}>={v}" for k, v in row.fixed_in.items())
         what = "drop this shim" if shim else "drop the workaround"
-        print(f"  fixed in {row.fixed_in_text}: upgrade ({upgrades}) to {what}.")
+        print(fit(f"fixed in {row.fixed_in_text}: upgrade ({upgrades}) to {what}.", indent="  ", hang="    "))
     else:
-        print(f"  {row.fixed_in_text}: keep the {'shim' if shim else 'workaround'}.")
+        print(fit(f"{row.fixed_in_text}: keep the {'shim' if shim else 'workaround'}.", indent="  ", hang="    "))
     return EXIT_OK
 
 
@@ -181,16 +196,25 @@ def _explain_shim(shim: Any, matrix: Any, as_json: bool) -> int:
     if as_json:
         print_json(data)
         return EXIT_OK
-    print(f"{shim.id}: {shim.summary}")
-    print(f"  module:      {data['module']}")
+    print(fit(f"{shim.id}: {shim.summary}", hang="  "))
+    _field("module", data["module"])
     for target in data["targets"]:
-        print(f"  wraps:       {target}")
+        _field("wraps", target)
     for row in rows:
         rng = "; ".join(f"{d} {s}" for d, s in (row["affected"] or {}).items()) or "?"
-        print(f"  fixes:       {row['id']}: {rng}; fixed in {row['fixed_in']}")
-        print(f"               here: {'AFFECTED' if row['applies_here'] else 'not affected'} ({row['applicability']})")
-    print(f"  armed here:  {'yes' if data['armed_here'] else 'no'} (DEVMAP_SHIMS_FORCE={shim.id} arms it anyway)")
+        _field("fixes", f"{row['id']}: {rng}; fixed in {row['fixed_in']}")
+        _field("", f"here: {'AFFECTED' if row['applies_here'] else 'not affected'} ({row['applicability']})")
+    _field("armed here", f"{'yes' if data['armed_here'] else 'no'} (DEVMAP_SHIMS_FORCE={shim.id} arms it anyway)")
     return EXIT_OK
+
+
+def _field(label: str, value: str) -> None:
+    """``  label:     value``, the value wrapped to the width under its first column; a value of
+    several lines (an error message) keeps its lines."""
+    first = f"  {label + ':' if label else '':12s} "
+    hang = " " * len(first)
+    for i, paragraph in enumerate(value.splitlines() or [""]):
+        print(fit(paragraph, indent=first if i == 0 else hang, hang=hang))
 
 
 def _module_of(shim: Any) -> str:

@@ -6,7 +6,8 @@
 ``DEVMAP_SHIMS_DISABLE``   comma-separated shim ids to leave off, or ``*`` for all.
 ``DEVMAP_SHIMS_FORCE``     comma-separated shim ids to arm even outside their matrix row's range.
 ``DEVMAP_SHIMS_STRICT``    ``1``: a shim that fails raises instead of logging and falling back.
-``DEVMAP_SHIMS_LOG``       ``debug``, ``info`` or ``warning``: level of the ``devmap_shims`` logger.
+``DEVMAP_SHIMS_LOG``       ``debug``, ``info``, ``warning`` or ``error`` (any case): level of the
+                           ``devmap_shims`` logger.
 ``DEVMAP_SHIMS_NO_PLUGINS`` ``1``: ignore shims and matrix rows from other distributions.
 ``DEVMAP_SHIMS_PLUGINS``   comma-separated distributions whose plugins load at interpreter start-up
                            (``DEVMAP_SHIMS=1``), or ``*``; unset, none does (``install()`` called

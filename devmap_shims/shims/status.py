@@ -27,7 +27,9 @@ def _shim_state(entry: reg.ShimEntry) -> str:
 
 
 def collect(engine: Any) -> Dict[str, Any]:
-    """The state of ``engine`` (a :class:`devmap_shims.shims.engine.Engine`) as plain data."""
+    """The state of ``engine`` (a :class:`devmap_shims.shims.engine.Engine`) as plain data: a
+    :class:`~devmap_shims.shims.summary.Status`, a dict whose ``str()`` is a short summary."""
+    from devmap_shims.shims.summary import Status
     from devmap_shims.versions import TARGET_DISTRIBUTIONS
 
     registry = engine.registry
@@ -65,7 +67,7 @@ def collect(engine: Any) -> Dict[str, Any]:
                 }
             )
         versions = dict(registry.versions()) if engine.installed else _versions_only()
-        return {
+        return Status({
             "schema_version": SCHEMA_VERSION,
             "installed": engine.installed,
             "strict": registry.strict,
@@ -77,7 +79,7 @@ def collect(engine: Any) -> Dict[str, Any]:
             "imported_now": sorted(m for m in TARGET_DISTRIBUTIONS if m in sys.modules),
             "shims": shims,
             "warnings": list(registry.warnings),
-        }
+        })
 
 
 def _versions_only() -> Dict[str, Any]:

@@ -215,7 +215,32 @@ _real_load = torch.load
 
 def _load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
     """``torch.load`` during a simulation: storages bound for ``cuda:N`` stay on the CPU and are
-    recorded as living on simulated GPU N (the real loader would call the CUDA driver)."""
+    recorded as living on simulated GPU N (the real loader would call the CUDA driver).
+    torch's own warnings (torch 2.4's FutureWarning for a call without ``weights_only``) name the
+    caller's line, as without the simulation, not this wrapper's."""
+    with _warnings_at_caller():
+        return _load_restoring(f, map_location, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _warnings_at_caller(stacklevel: int = 4) -> Iterator[None]:
+    """Warnings that name this module's line (given with ``stacklevel=2`` by a function this
+    module wraps) are given again naming the line ``stacklevel`` frames up from here, through
+    the program's filters (``-W error`` raises there); other warnings are given again unchanged.
+    The recording is process-wide (``warnings.catch_warnings``), like every simulation patch."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        if w.filename == __file__:
+            warnings.warn(w.message, w.category, stacklevel=stacklevel)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def _load_restoring(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
     if callable(map_location) and not isinstance(map_location, (str, torch.device)):
         return _real_load(f, map_location, *args, **kwargs)
 

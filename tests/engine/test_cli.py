@@ -62,12 +62,37 @@ def test_explain_a_shim_shows_its_module_targets_and_the_range_of_each_row(capsy
     assert "wraps:       bitsandbytes.nn.modules:Params4bit.to" in out
     for bug_id in ("bnb-quantstate-code-not-moved", "bnb-params4bit-to-drops-bnb_quantized"):
         row = load_matrix().get(bug_id)
-        assert f"fixes:       {bug_id}: {row.affected_text}; fixed in {row.fixed_in_text}" in out
+        line = f"fixes:       {bug_id}: {row.affected_text}; fixed in {row.fixed_in_text}"
+        assert line in out.replace("\n" + " " * 15, " ")  # on one line, or wrapped under its column
     code, out, _ = run_cli(capsys, "explain", "--json", "dispatch-skip-keys")
     data = json.loads(out)
     assert [r["id"] for r in data["rows"]] == [
         "dispatch-without-skip-keys-moves-kv-cache", "accelerate-skip-keys-not-propagated"]
     assert data["rows"][1]["affected"] == {"accelerate": ">=0.20.0,<1.0.0"}
+
+
+def test_matrix_fits_100_columns_and_keeps_each_range_whole(capsys):
+    from devmap_shims.compat_matrix import load_matrix
+
+    code, out, _ = run_cli(capsys, "matrix")
+    lines = out.splitlines()
+    assert code == 0 and max(len(line) for line in lines) <= 100
+    for row in load_matrix().rows:
+        assert any(line.split()[:1] == [row.id] for line in lines), row.id
+        for spec in row.affected_text.split("; "):  # e.g. "bitsandbytes >=0.41.2,<0.45.3"
+            assert any(spec in line for line in lines), spec
+
+
+def test_explain_fits_100_columns_for_every_row_and_shim(capsys):
+    code, out, _ = run_cli(capsys, "matrix", "--json")
+    rows = json.loads(out)["rows"]
+    ids = [r["id"] for r in rows] + sorted({r["shim"] for r in rows if r["shim"]})
+    for name in ids:
+        code, out, _ = run_cli(capsys, "explain", name)
+        assert code == 0 and max(len(line) for line in out.splitlines()) <= 100, name
+    code, out, _ = run_cli(capsys, "explain", "bnb-quantstate-code-not-moved")
+    # the error message in the symptom keeps its own lines
+    assert "\n               [..., (torch.Size([16]), device(type='cuda', index=0))]\n" in out
 
 
 def test_explain_json_says_whether_it_applies(capsys):

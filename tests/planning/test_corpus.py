@@ -180,8 +180,9 @@ def test_accelerate_own_balancing_collapses_gemma_2_27b_and_the_shim_spreads_it(
     assert set(fixed.values()) == set(range(8))
 
 
-def test_print_ratio_table(capsys):
-    """Balance ratio per case (busiest GPU / bound): accelerate's, the shim's, the best contiguous."""
+def test_ratio_table(summary_section):
+    """Balance ratio per case (busiest GPU / bound): accelerate's, the shim's, the best contiguous;
+    the table goes to pytest's terminal summary."""
     rows = [("case", "without", "with shim", "best", "GPUs used")]
     worst = 0.0
     for case in CASES:
@@ -192,9 +193,6 @@ def test_print_ratio_table(capsys):
         if not case.ratio_exemption:
             worst = max(worst, after.ratio)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    with capsys.disabled():
-        print()
-        for r in rows:
-            print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)))
-        print(f"worst ratio with the shim: {worst:.3f}")
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    summary_section("device-map corpus: balance ratio per case", lines + [f"worst ratio with the shim: {worst:.3f}"])
     assert worst < 1.2

@@ -310,10 +310,10 @@ def test_torch_load_onto_simulated_gpus(tmp_path):
     path = tmp_path / "ckpt.pt"
     torch.save({"w": torch.arange(4.0)}, path)
     with simulated_gpus(2) as m:
-        w = torch.load(path, map_location="cuda:1")["w"]
+        w = torch.load(path, map_location="cuda:1", weights_only=True)["w"]
         assert w.device.index == 1 and m.allocated(1) == 512
-        assert torch.load(path, map_location={"cpu": "cuda:0"})["w"].device.index == 0
-        assert torch.load(path)["w"].device.type == "cpu"
+        assert torch.load(path, map_location={"cpu": "cuda:0"}, weights_only=True)["w"].device.index == 0
+        assert torch.load(path, weights_only=True)["w"].device.type == "cpu"
         assert torch.equal(real_cpu_tensor(w), torch.arange(4.0))
 
 

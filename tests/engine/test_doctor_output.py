@@ -1,0 +1,225 @@
+"""What ``doctor`` and ``print(devmap_shims.status())`` show a person: at most 30 lines of at most
+100 columns by default, whatever the stack and however many shims; every target with
+``--verbose``, everything in ``--json``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import devmap_shims
+from devmap_shims.cli import main
+from devmap_shims.cli.doctor import MAX_LINES, report, verbose_report
+from devmap_shims.shims.summary import Status, shim_lines
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fits(lines, max_lines=None):
+    assert all(len(line) <= 100 for line in lines), max(lines, key=len)
+    if max_lines is not None:
+        assert len(lines) <= max_lines, "\n".join(lines)
+
+
+def env(**extra):
+    out = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
+    out["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    out.update(extra)
+    return out
+
+
+@pytest.fixture(scope="module")
+def doctor_json():
+    """``doctor --json`` on this stack, the target modules imported (one run for the module)."""
+    proc = subprocess.run([sys.executable, "-m", "devmap_shims", "doctor", "--json"],
+                          capture_output=True, text=True, env=env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_doctor_default_fits_30_lines_of_100_columns_on_this_stack(doctor_json):
+    lines = report(doctor_json)
+    fits(lines, MAX_LINES)
+    text = "\n".join(lines)
+    for name, version in doctor_json["versions"].items():
+        assert f"{name} {version or '-'}" in text
+    off_here = [s for s in doctor_json["shims"] if s["state"] == "skipped" and s["selected"] and not s["applies"]]
+    for shim in doctor_json["shims"]:
+        if shim["state"] in ("active", "pending", "failed"):
+            assert any(line.split()[:2] == [shim["id"], shim["state"].upper()] for line in lines), shim["id"]
+    if off_here:
+        assert f"{len(off_here)} shim{'s' if len(off_here) != 1 else ''} off: " in text
+        assert not any(line.split()[:1] == [off_here[0]["id"]] for line in lines)
+    rows = doctor_json["applicable_rows"]
+    assert f"{len(rows)} known bug" in lines[0]
+    active = {s["id"] for s in doctor_json["shims"] if s["state"] == "active"}
+    for row in rows:  # each applicable row is named: under its active shim, or in the list below
+        if row["shim"] not in active:
+            assert row["id"] in text
+
+
+def test_doctor_verbose_lists_every_target_within_100_columns(doctor_json):
+    lines = verbose_report(doctor_json)
+    fits(lines)
+    text = " ".join(line.strip() for line in lines)
+    n_targets = sum(len(s["targets"]) for s in doctor_json["shims"])
+    assert len(lines) > n_targets
+    for shim in doctor_json["shims"]:
+        assert shim["id"] in text
+    assert {"shims", "applicable_rows", "devices", "auto_enable"} <= set(doctor_json)
+    assert all("targets" in s for s in doctor_json["shims"])  # always in --json
+
+
+def test_doctor_stays_short_when_every_shim_is_forced_on_or_failing(doctor_json):
+    """Many shims active or failed (more shims later, a broken library): the groups become lists."""
+    data = copy.deepcopy(doctor_json)
+    shims = data["shims"]
+    clones = []
+    for n in range(3):  # three times as many shims as today
+        for shim in shims:
+            clone = copy.deepcopy(shim)
+            clone["id"] = f"{shim['id']}-{n}"
+            clone["state"] = ("active", "failed", "pending")[n]
+            if n == 1:
+                clone["targets"][0].update(state="failed", error="AttributeError: " + "x" * 150)
+            clones.append(clone)
+    data["shims"] = shims + clones
+    data["warnings"] = [f"warning number {i} " + "y" * 120 for i in range(5)]
+    data["devices"] = {"torch_cuda_build": "12.1", "CUDA_VISIBLE_DEVICES": None, "cuda_available": True,
+                       "gpus": [{"index": i, "name": f"GPU kind {i % 5}", "total_memory": 80 * 2**30} for i in range(8)]}
+    lines = report(data)
+    fits(lines, MAX_LINES)
+    text = "\n".join(lines)
+    assert "failed" in text and "and 3 more warnings" in text
+
+
+def test_doctor_cli_default_no_import(capsys):
+    code = main(["doctor", "--no-import", "--no-devices"])
+    out = capsys.readouterr().out
+    assert code == 0
+    fits(out.splitlines(), MAX_LINES)
+    assert "--verbose" in out and "targets" in out
+
+
+def test_doctor_engine_only_fits(tmp_path):
+    """No target library importable or installed: the engine alone (wrapt and packaging)."""
+    import packaging
+    import wrapt
+
+    site = tmp_path / "site"
+    site.mkdir()
+    for module in (wrapt, packaging):
+        (site / module.__name__).symlink_to(Path(module.__file__).parent)
+    if sys.version_info < (3, 11):
+        import tomli
+
+        (site / "tomli").symlink_to(Path(tomli.__file__).parent)
+    code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(site)!r}]; "
+            "from devmap_shims.cli import main; sys.exit(main(['doctor']))")
+    proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, env=env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    fits(lines, MAX_LINES)
+    assert "torch -" in proc.stdout and "0 known bugs apply" in lines[0]
+    assert "torch not importable" in proc.stdout
+
+
+def test_status_is_a_dict_whose_str_is_a_short_summary():
+    status = devmap_shims.status()
+    assert isinstance(status, dict) and isinstance(status, Status)
+    assert json.loads(json.dumps(status)) == dict(status)  # the full data, as before
+    assert repr(status) == repr(dict(status))
+    text = str(status)
+    lines = text.splitlines()
+    fits(lines, 20)
+    assert lines[0].startswith("devmap-shims: ")
+    assert print_of(status) == text + "\n"
+
+
+def print_of(obj):
+    import io
+    from contextlib import redirect_stdout
+
+    buffer = io.StringIO()
+    with redirect_stdout(buffer):
+        print(obj)
+    return buffer.getvalue()
+
+
+def test_status_summary_counts_match_the_data(doctor_json):
+    data = Status(doctor_json)
+    text = str(data)
+    fits(text.splitlines(), 20)
+    counts = {state: sum(1 for s in data["shims"] if s["state"] == state) for state in ("active", "pending", "failed")}
+    assert f"{len(data['shims'])} shims: {counts['active']} active, {counts['pending']} pending, {counts['failed']} failed" in text
+
+
+def test_shim_lines_keep_within_the_room_given(doctor_json):
+    shims = doctor_json["shims"] * 4
+    for room in (3, 6, 10, 30):
+        lines = shim_lines(shims, room=room)
+        fits(lines, room)
+
+
+def _readme_section(heading):
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    start = text.index(heading + "\n")
+    end = text.find("\n#", start + len(heading))
+    return text[start:end]
+
+
+def _top_level_names(bullet):
+    """The backquoted names of ``bullet`` outside any parenthesis."""
+    import re
+
+    depth, kept = 0, []
+    for ch in bullet:
+        depth += ch == "("
+        if depth == 0:
+            kept.append(ch)
+        depth -= ch == ")" and depth > 0
+    return set(re.findall(r"`([A-Za-z_]+)`", "".join(kept)))
+
+
+def test_readme_documents_every_top_level_key_of_doctor_json(capsys):
+    section = _readme_section("## JSON output")
+    bullet = section[section.index("* `doctor`:"):section.index("\n* `matrix`")]
+    code = main(["doctor", "--json", "--no-import", "--no-devices"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert _top_level_names(bullet[len("* `doctor`:"):]) == set(data)
+    shim_keys = bullet[bullet.index("(each:"):bullet.index("`targets`")]
+    assert {k for k in data["shims"][0] if k != "targets"} <= _top_level_names(shim_keys.replace("(each:", ""))
+    assert set(devmap_shims.status()) < set(data)  # status() has the keys before applicable_rows
+
+
+def test_readme_lists_every_accepted_log_level():
+    from devmap_shims.shims.config import LOG_LEVELS
+
+    section = _readme_section("### Environment variable, no code change")
+    row = next(line for line in section.splitlines() if line.startswith("| `DEVMAP_SHIMS_LOG`"))
+    documented = row.split("|")[2].split("(")[0]
+    import re
+
+    assert set(re.findall(r"`(\w+)`", documented)) == set(LOG_LEVELS)
+
+
+def test_status_summary_says_why_shims_are_off_when_the_user_disabled_them():
+    code = "import devmap_shims; devmap_shims.install(); print(devmap_shims.status())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env(DEVMAP_SHIMS_DISABLE="*"), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    fits(lines, 20)
+    import re
+
+    n = re.search(r"; (\d+) shims: 0 active, 0 pending, 0 failed, (\d+) off$", lines[0])
+    assert n and n.group(1) == n.group(2) and int(n.group(1)) > 0, lines[0]
+    assert any(line.strip().startswith(f"{n.group(1)} off (disabled by DEVMAP_SHIMS_DISABLE=*): ")
+               for line in lines), proc.stdout

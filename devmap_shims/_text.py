@@ -23,7 +23,9 @@ GROUP_WIDTH = 40
 #: A word that starts a version specifier (``>=0.41.2,<0.43.0``, ``==4.27.2``) or is a version
 #: (``0.45.3``): it stays on the line of the word before it, so ``accelerate >=1.4.0`` and
 #: ``bitsandbytes 0.45.3`` are never split in two.
-_SPECIFIER = re.compile(r"^(?:(?:[<>]=?|[=!~]=|===)\S|\d+\.\d+)")
+_SPECIFIER = re.compile(r"^(?:(?:[<>]=?|[=!~]=|===)(?:\S|$)|\d+\.\d+)")
+#: A unit after a number (``3.82 GiB``, ``0.94 x``): it stays on the line of its number.
+_UNIT = re.compile(r"^(?:B|KiB|MiB|GiB|TiB|KB|MB|GB|TB|x)(?:\W|$)")
 
 
 def _depth(word: str) -> int:
@@ -48,7 +50,7 @@ def atoms(text: str) -> List[str]:
         if depth > 0 or len(" ".join(group)) > GROUP_WIDTH:  # unclosed, or prose: words apart
             group, j = [words[i]], i + 1
         piece = " ".join(group)
-        if merged and _SPECIFIER.match(piece):
+        if merged and (_SPECIFIER.match(piece) or (_UNIT.match(piece) and merged[-1][-1:].isdigit())):
             merged[-1] += " " + piece
         else:
             merged.append(piece)

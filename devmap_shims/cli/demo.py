@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import re
 import sys
 import time
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from devmap_shims._text import wrap as text_wrap
 from devmap_shims.cli._output import UsageError
 
 #: the report's width: every line fits
@@ -335,35 +335,13 @@ def summarize(bugs: List[Dict[str, Any]]) -> Dict[str, int]:
 
 
 # -- text ---------------------------------------------------------------------------------------
-#: joins words that must stay on one line (``transformers 5.23.0``); printed as a space
-GLUE = "\u00a0"
-#: the space between a name and the version or range after it
-_VERSION_AFTER_NAME = re.compile(r"(?<=[A-Za-z_]) (?=(?:[<>=!~]=?=?)?\d)")
-
-
 def wrap(text: str, first: str = "", later: Optional[str] = None, width: int = WIDTH, max_lines: int = 0) -> List[str]:
     """``text`` on lines of at most ``width`` columns, the first after ``first``, the others after
-    ``later`` (default: as many spaces). Lines break at spaces only: an id, a path or a version
-    range (``>=4.45.0,<4.51.0``) is never cut, a name stays with the version or range after it
-    (``transformers 4.46.0``) and words joined by :data:`GLUE` stay together where the pair fits
-    on a line. ``max_lines``: the rest is elided with `` ...``."""
-    import textwrap
-
+    ``later`` (default: as many spaces), broken the way every command breaks text
+    (:func:`devmap_shims._text.wrap`: between words, never inside an id or a version range, a name
+    kept with the version after it). ``max_lines``: the rest is elided with ``...``."""
     later = " " * len(first) if later is None else later
-    room = width - max(len(first), len(later))
-    words = _VERSION_AFTER_NAME.sub(GLUE, re.sub(r"[ \t\r\n]+", " ", text).strip()).split(" ")
-    text = " ".join(w if len(w) <= room else w.replace(GLUE, " ") for w in words)
-    lines = textwrap.wrap(
-        text, width=width, initial_indent=first, subsequent_indent=later,
-        break_long_words=False, break_on_hyphens=False,
-    ) or [first.rstrip()]
-    if max_lines and len(lines) > max_lines:
-        lines = lines[:max_lines]
-        last = lines[-1]
-        while len(last) + 4 > width and " " in last.strip():
-            last = last[: last.rstrip().rfind(" ")]
-        lines[-1] = last.rstrip() + " ..."
-    return [line.replace(GLUE, " ") for line in lines]
+    return text_wrap(text, width, indent=first, hang=later, max_lines=max_lines or None) or [first.rstrip()]
 
 
 def _marks() -> Dict[str, str]:
@@ -449,7 +427,7 @@ def render(bugs: List[Dict[str, Any]], rows: List[Dict[str, Any]], versions: Dic
     replays: Dict[str, List[Dict[str, Any]]] = {}
     for r in rows:
         replays.setdefault(r["bug_id"], []).append(r)
-    installed = ", ".join(f"{d}{GLUE}{v}" for d, v in sorted(versions.items()) if v) or "none of the target libraries"
+    installed = ", ".join(f"{d} {v}" for d, v in sorted(versions.items()) if v) or "none of the target libraries"
     out = wrap(f"Installed: {installed}.", later="  ")
     out += wrap(f"Replayed on simulated GPUs, without the shims and with them; the compat matrix has "
                 f"{_plural(summary['rows'], 'row', 'rows')}{' asked for' if selected else ''}.")

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from devmap_shims._text import wrap as text_wrap
 from devmap_shims.cli._output import EXIT_OK, EXIT_PROBLEM, UsageError, one_line
 from devmap_shims.planning.sizes import TopologyError, format_bytes, parse_gpus, parse_size
 
@@ -546,17 +547,6 @@ def _human_all(report: Dict[str, Any]) -> str:
 
 # -- text that fits WIDTH columns ---------------------------------------------------------------------
 
-#: Spaces that must not become line breaks: inside a version range (">=4.45, <4.50"), between a
-#: name and its version ("torch 2.15.0"), and between a number and its unit ("3.82 GiB").
-_KEEP_TOGETHER = re.compile(
-    r"(?<=[\d.*]),\s+(?=[<>=!~])"          # >=4.45, <4.50
-    r"|(?<=[<>=!~]=)\s+(?=\d)|(?<=[<>])\s+(?=\d)"  # >= 4.45
-    r"|(?<=[A-Za-z_-]) (?=\d+\.\d)"             # torch 2.15.0
-    r"|(?<=\d) (?=(?:B|KiB|MiB|GiB|TiB|GB|MB|x)\b)"  # 3.82 GiB
-)
-_GLUE = "\x00"
-
-
 def elide_path(path: str, width: int = WIDTH - 2) -> str:
     """``path`` when it fits ``width`` columns, else ``.../`` and as many of its last components
     as fit (the file name at least)."""
@@ -568,14 +558,7 @@ def elide_path(path: str, width: int = WIDTH - 2) -> str:
 
 
 def wrap(text: str, width: int = WIDTH, indent: str = "  ") -> str:
-    """``text`` on lines of at most ``width`` columns, broken at spaces only (never inside a
-    version range, a name and its version or a size), continuation lines indented by ``indent``.
-    A single word longer than a line stays whole."""
-    import textwrap
-
-    if len(text) <= width:
-        return text
-    glued = _KEEP_TOGETHER.sub(lambda m: m.group(0).replace(" ", _GLUE), text)
-    lines = textwrap.wrap(glued, width=width, subsequent_indent=indent or "", break_long_words=False,
-                          break_on_hyphens=False)
-    return "\n".join(line.replace(_GLUE, " ") for line in lines)
+    """``text`` on lines of at most ``width`` columns (:func:`devmap_shims._text.wrap`: between
+    words, never inside a version range, a name and its version or a size), continuation lines
+    indented by ``indent``."""
+    return "\n".join(text_wrap(text, width, hang=indent or ""))

@@ -73,7 +73,7 @@ from typing import Any, Iterator, List, Sequence, Tuple, Union
 
 import torch
 
-from . import _sim_cuda, _sim_generators, _sim_state as S, _sim_streams
+from . import _sim_autograd, _sim_cuda, _sim_generators, _sim_state as S, _sim_streams
 from ._sim_autograd import SimulatedAutogradError
 from ._sim_devices import clear_parse_cache, parse_device
 from ._sim_machine import MemorySpec, SimulatedDeviceProperties, SimulatedMachine, format_size, parse_memory
@@ -315,6 +315,9 @@ def _install(patcher: _Patcher) -> None:
             patcher.set(owner, "load", _load)
     if _int_device_needs_standin():
         patcher.set(torch, "device", _sim_cuda.DeviceStandIn)
+    # the backward pass runs in the C++ engine; optimizers group their tensors in C++
+    _sim_autograd.install_engine(patcher)
+    _sim_autograd.install_grouping(patcher)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,6 +368,9 @@ def simulated_gpus(
             S.DEVICE_OF.clear()
             S.CUDA_DEVICES.clear()
             S.DEPTH.n = 0
+            S.DEPTH.backward = 0
+            S.DEPTH.op_outputs = None
+            S.SAVED_HOOKS = 0
             S.DEPTH.in_mode = False
             clear_parse_cache()
             _sim_cuda.stop()

@@ -27,7 +27,14 @@ from torch.optim.optimizer import _default_to_fused_or_foreach  # noqa: E402
 from devmap_shims.testing import simulated_gpus  # noqa: E402
 from devmap_shims.testing._sim_machine import round_block  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    # the libraries' own deprecations on the paths under test: torch 2.4's checkpoint calls
+    # torch.cpu.amp.autocast; peft calls transformers 5's renamed gradient-checkpointing methods
+    pytest.mark.filterwarnings("ignore:`torch.cpu.amp.autocast:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+]
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
 STEPS = 3
@@ -152,6 +159,23 @@ def test_fused_adamw_runs_and_keeps_its_step_counts_on_the_gpus():
         assert first.weight.grad.device == CUDA0 and not first.weight.grad.any()
 
 
+def test_grad_scaler_unscales_and_steps_on_the_gpus():
+    with simulated_gpus(2):
+        first, second, loss = two_layers()
+        params = list(first.parameters()) + list(second.parameters())
+        scaler = torch.amp.GradScaler("cuda") if hasattr(torch.amp, "GradScaler") else torch.cuda.amp.GradScaler()
+        opt = torch.optim.SGD(params, lr=0.1)
+        reference = torch.autograd.grad(loss(), first.weight)[0].cpu()
+        before = first.weight.detach().cpu()
+        scaler.scale(loss()).backward()
+        assert torch.allclose(first.weight.grad.cpu(), reference * scaler.get_scale())
+        scaler.unscale_(opt)
+        assert torch.allclose(first.weight.grad.cpu(), reference) and first.weight.grad.device == CUDA0
+        scaler.step(opt)
+        scaler.update()
+        assert torch.allclose(first.weight.detach().cpu(), before - 0.1 * reference)
+
+
 # ------------------------------------------------------------------------------------------------
 # wrong devices: torch's own errors
 # ------------------------------------------------------------------------------------------------
@@ -217,12 +241,13 @@ def test_the_same_index_error_is_torchs_own_wording():
         a, b = torch.ones(2, device="cuda:0"), torch.ones(2, device="cuda:1")
         with pytest.raises(RuntimeError) as simulated:
             torch._C._group_tensors_by_device_and_dtype([[a], [b]], False)
-        # a float32 CPU `step` beside a CUDA tensor is allowed
-        grouped = torch._C._group_tensors_by_device_and_dtype([[a, b], [torch.ones(2), None]], True)
-        assert grouped == {
-            (CUDA0, torch.float32): ([[a], [grouped[(CUDA0, torch.float32)][0][1][0]]], [0]),
-            (CUDA1, torch.float32): ([[b], [None]], [1]),
-        }
+        # a float32 CPU `step` beside a CUDA tensor is allowed; groups are keyed by simulated device
+        step = torch.ones(2)
+        grouped = torch._C._group_tensors_by_device_and_dtype([[a, b], [step, None]], True)
+        assert set(grouped) == {(CUDA0, torch.float32), (CUDA1, torch.float32)}
+        (lists0, idx0), (lists1, idx1) = grouped[(CUDA0, torch.float32)], grouped[(CUDA1, torch.float32)]
+        assert lists0[0][0] is a and lists0[1][0] is step and idx0 == [0]
+        assert lists1[0][0] is b and lists1[1] == [None] and idx1 == [1]
     assert str(simulated.value) == str(real.value).split("\n")[0]
     assert str(simulated.value).startswith(SAME_INDEX)
 

@@ -148,6 +148,10 @@ def true(*args: Any, **kwargs: Any) -> bool:
     return True
 
 
+def false(*args: Any, **kwargs: Any) -> bool:
+    return False
+
+
 def manual_seed(seed: int) -> None:
     default_generator(S.MACHINE.current_device).manual_seed(int(seed))
 
@@ -235,6 +239,7 @@ def cuda_namespace() -> Dict[str, Any]:
         "get_device_capability": get_device_capability,
         "is_bf16_supported": is_bf16_supported,
         "can_device_access_peer": true,
+        "is_current_stream_capturing": false,  # optimizers' CUDA-graph check before each step
         "mem_get_info": mem_get_info,
         "memory_allocated": memory_allocated,
         "max_memory_allocated": max_memory_allocated,

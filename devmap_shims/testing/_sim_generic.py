@@ -19,7 +19,6 @@ import torch
 import torch.utils._device as _device_module
 
 from . import _sim_state as S
-from ._sim_autograd import NO_GRAD_CHECK, autograd_error, check_grad
 from ._sim_device_checks import check_mixed
 from ._sim_devices import Target, parse_device
 from ._sim_generators import default_generator, generator_device
@@ -144,6 +143,31 @@ def _retarget(out: Any, inputs: List[torch.Tensor], target: int) -> Any:
     return out
 
 
+def engine_made(ts: List[torch.Tensor], keys: List[Any]) -> Tuple[Any, Any, bool]:
+    """During a backward pass: CPU tensors that no op tagged (gradients the C++ engine made) join
+    the one simulated device of the other operands. Returns (common, untagged sids, still mixed)."""
+    tagged = {k for k in keys if k is not None}
+    if len(tagged) != 1:
+        return None, None, True
+    skip = set()
+    for t, k in zip(ts, keys):
+        if k is None:
+            if not _real_is_cpu(t):
+                return None, None, True
+            skip.add(_storage_id(t))
+    return tagged.pop(), skip, False
+
+
+def _run_announcing(func: Any, args: Sequence[Any], kwargs: Dict[str, Any], common: int, ts: List[Any]) -> Any:
+    depth = S.DEPTH
+    before = depth.op_outputs
+    depth.op_outputs = (common, ts)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        depth.op_outputs = before
+
+
 def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
     """Run ``func`` on the CPU tensors and tag its results (see the module docstring)."""
     default = _device_module.CURRENT_DEVICE
@@ -190,6 +214,8 @@ def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
     skip = None
     if mixed and func in SIZE_METHODS and args and args[0] is ts[0]:
         ts, keys, mixed = ts[:1], keys[:1], False
+    if mixed and S.DEPTH.backward:
+        common, skip, mixed = engine_made(ts, keys)
     if mixed:
         common, skip = check_mixed(func, args, kwargs, ts, keys)
     if common is None:  # nothing on a simulated GPU (or a real non-CPU device leads): run as is
@@ -198,10 +224,11 @@ def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
     if func in RANDOM_ON_TENSORS and kwargs.get("generator") is None:
         kwargs = dict(kwargs)
         kwargs["generator"] = default_generator(common)
-    out = func(*args, **kwargs)
+    if S.SAVED_HOOKS:  # saved-tensor hooks see the op's new outputs on its device
+        out = _run_announcing(func, args, kwargs, common, ts)
+    else:
+        out = func(*args, **kwargs)
     if isinstance(out, _Tensor):
-        if out.requires_grad and out.grad_fn is not None and torch.is_grad_enabled() and func not in NO_GRAD_CHECK:
-            raise autograd_error(func, common)
         try:
             sid = _storage_id(out)
         except (RuntimeError, TypeError):
@@ -211,7 +238,5 @@ def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
             device_of[sid] = common
         return out
     if isinstance(out, (tuple, list)):
-        if torch.is_grad_enabled() and func not in NO_GRAD_CHECK:
-            check_grad(func, out, common)
         tag_all(out, common, skip)
     return out

@@ -2,9 +2,10 @@
 
 Moves (``to``/``cuda``/``cpu``/``type``/``type_as``) copy when the simulated device changes and
 return the tensor itself when it does not, as CUDA does; ``new_*`` and ``copy_`` keep self's
-device; indexing accepts CPU index tensors; ``numpy()``, ``pin_memory()`` and ``backward()``
-raise on tensors on simulated GPUs. :data:`PASSTHROUGH` lists the metadata getters and queries
-that run untouched (the fast path).
+device; indexing accepts CPU index tensors; ``numpy()`` and ``pin_memory()`` raise on tensors on
+simulated GPUs; ``backward()`` checks the gradients it is given and ``Tensor.grad`` keeps
+gradients on their tensors' devices (:mod:`._sim_autograd`). :data:`PASSTHROUGH` lists the
+metadata getters and queries that run untouched (the fast path).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import torch
 from devmap_shims.calls import argument_at
 
 from . import _sim_state as S
-from ._sim_autograd import backward_error, check_grad
+from ._sim_autograd import check_backward_call, h_grad_get, h_grad_set
 from ._sim_devices import device_key, fmt_device, parse_device
 from ._sim_generic import dtype_itemsize
-from ._sim_operands import tensor_operands, torch_functions
+from ._sim_operands import torch_functions
 from ._sim_storages import is_pinned, mark_pinned, same_storage, sim_copy, tag, tag_all
 
 _TensorBase = torch._C.TensorBase
@@ -194,17 +195,14 @@ def _h_index(func, args, kwargs):
                 )
     out = func(*args, **kwargs)
     if isinstance(own, int):
-        if func is _TensorBase.__getitem__ and torch.is_grad_enabled():
-            check_grad(func, out, own)
         tag_all(out, own)
     return out
 
 
 def _h_backward(func, args, kwargs):
-    for t in tensor_operands(args, kwargs):
-        idx = S.sim_index(t)
-        if idx is not None:
-            raise backward_error(idx)
+    """backward()/autograd.grad(): the gradients given must sit on their tensors' devices; the
+    pass itself runs in the simulated engine (:mod:`._sim_autograd`)."""
+    check_backward_call(func, args, kwargs)
     return func(*args, **kwargs)
 
 
@@ -265,6 +263,8 @@ def _handlers() -> Dict[Any, Callable]:
     put(_h_backward, _Tensor.backward, torch.autograd.backward, torch.autograd.grad)
     put(_h_parse_to, torch._C._nn._parse_to)
     put(_h_deepcopy, _Tensor.__deepcopy__)
+    put(h_grad_get, _TensorBase.grad.__get__)
+    put(h_grad_set, _TensorBase.grad.__set__)
     return h
 
 
@@ -273,7 +273,7 @@ HANDLERS = _handlers()
 _PASSTHROUGH_GETTERS = (
     "shape", "dtype", "ndim", "requires_grad", "is_leaf", "grad_fn", "layout", "is_sparse",
     "is_quantized", "is_meta", "is_mkldnn", "is_nested", "names", "_version", "output_nr",
-    "device", "is_cuda", "is_cpu", "itemsize", "nbytes", "data", "_base", "grad",
+    "device", "is_cuda", "is_cpu", "itemsize", "nbytes", "data", "_base",
 )
 _PASSTHROUGH_METHODS = (
     "size", "dim", "numel", "nelement", "stride", "is_contiguous", "element_size", "data_ptr",

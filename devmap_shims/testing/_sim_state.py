@@ -30,9 +30,16 @@ MACHINE: Any = None
 class _Depth(threading.local):
     n = 0  # nesting of the mode's handler in this thread
     in_mode = False  # whether this thread runs under the simulation's mode
+    backward = 0  # nesting of backward passes in this thread (see _sim_autograd)
+    # (device, operands) of the op running while saved-tensor hooks are on: a hook called inside
+    # it sees the op's new outputs on that device (see _sim_autograd.push_saved_tensors_hooks)
+    op_outputs: Any = None
 
 
 DEPTH = _Depth()
+
+# How many saved-tensor hook pairs were pushed during the simulation and not yet popped
+SAVED_HOOKS = 0
 
 # One real torch.device per simulated index, built once per simulation.
 CUDA_DEVICES: list = []

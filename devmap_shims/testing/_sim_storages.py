@@ -16,6 +16,7 @@ from . import _sim_state as S
 _storage_id = torch._C._storage_id
 _Tensor = torch.Tensor
 _real_is_cpu = torch._C.TensorBase.is_cpu.__get__
+_grad_enabled = torch.is_grad_enabled
 
 
 def tag(t: torch.Tensor, idx: int, skip: Optional[set] = None) -> None:
@@ -52,7 +53,12 @@ def tag_all(out: Any, idx: int, skip: Optional[set] = None) -> None:
 
 
 def sim_copy(t: torch.Tensor, memory_format: Any = torch.preserve_format) -> torch.Tensor:
-    """A fresh CPU copy of ``t`` (used where CUDA would copy across devices)."""
+    """A fresh CPU copy of ``t`` (used where CUDA would copy across devices); one that records
+    history sends its gradient back to ``t``'s device (:class:`._sim_autograd.DeviceCopy`)."""
+    if t.requires_grad and _grad_enabled():
+        from ._sim_autograd import DeviceCopy  # that module tags with this one's functions
+
+        return DeviceCopy.apply(t, memory_format)
     return t.clone(memory_format=memory_format)
 
 

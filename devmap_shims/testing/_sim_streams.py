@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import inspect
+from typing import Any, Dict, Tuple
 
 import torch
 
 from ._sim_devices import index_of
 
 
-class SimulatedStream:
+def _abstract_bases() -> Tuple[Tuple[type, ...], Tuple[type, ...]]:
+    """torch 2.4's abstract stream and event bases: its Dynamo refuses a ``torch.cuda.Stream`` /
+    ``Event`` that does not derive from them (later releases derive them from ``torch.Stream``
+    and deprecate them)."""
+    try:
+        from torch._streambase import _EventBase, _StreamBase
+    except ImportError:
+        return (), ()
+    if inspect.isabstract(_StreamBase) and inspect.isabstract(_EventBase):
+        return (_StreamBase,), (_EventBase,)
+    return (), ()
+
+
+_STREAM_BASES, _EVENT_BASES = _abstract_bases()
+
+
+class SimulatedStream(*_STREAM_BASES):  # type: ignore[misc]
     """An inert CUDA stream: work is synchronous on the CPU, so every wait is already satisfied."""
 
     def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
@@ -41,6 +58,14 @@ class SimulatedStream:
     def query(self) -> bool:
         return True
 
+    def is_capturing(self) -> bool:  # torch.Stream's, asked by optimizers (CUDA graphs)
+        return False
+
+    def __eq__(self, other: Any) -> bool:
+        return self is other
+
+    __hash__ = object.__hash__
+
     def __enter__(self) -> "SimulatedStream":
         return self
 
@@ -51,7 +76,7 @@ class SimulatedStream:
         return f"<torch.cuda.Stream device=cuda:{self._index} cuda_stream=0x0 (simulated)>"
 
 
-class SimulatedEvent:
+class SimulatedEvent(*_EVENT_BASES):  # type: ignore[misc]
     """An inert CUDA event (``elapsed_time`` is 0.0)."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:

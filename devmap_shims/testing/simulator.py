@@ -1,4 +1,4 @@
-"""A simulated N-GPU CUDA machine on the CPU, for inference code and CI without GPUs.
+"""A simulated N-GPU CUDA machine on the CPU, for inference and training code and CI without GPUs.
 
 ::
 
@@ -33,11 +33,26 @@ What is simulated
     * ``torch.Generator("cuda:N")``, ``torch.cuda.Stream``/``Event`` (inert), ``pin_memory()``.
     * Libraries that cache which accelerator the machine has (diffusers) have that cache cleared
       when a simulation starts and when it ends (:mod:`._sim_probes`).
+    * Autograd (:mod:`._sim_autograd`): forward passes record history, ``backward()`` and
+      ``torch.autograd.grad`` run, and each gradient lives on its tensor's device (``p.grad`` of
+      a parameter on ``cuda:N`` is on ``cuda:N`` and charged to it; a gradient that flows back
+      through ``.to("cuda:1")`` reaches the source device). Optimizers take their CUDA defaults
+      (foreach; fused when asked) and keep their state on the parameters' devices; ``zero_grad``,
+      ``clip_grad_norm_``, ``GradScaler``, activation checkpointing (reentrant or not, through
+      accelerate's hooks) and ``saved_tensors_hooks`` work. Torch's own errors for a gradient on
+      the wrong device: ``p.grad = t`` ("attempting to assign a gradient located on device with
+      index ..."), ``backward(gradient)`` ("invalid gradient at index 0 - expected device ..."),
+      and an optimizer state on another GPU than its parameter ("Tensors of the same index must
+      be on the same device ..." from the foreach grouping; CUDA's same-device error from the
+      for-loop kernels).
 
 What is not simulated
-    * Autograd: the simulator is for inference. An op that would record autograd history on a
-      simulated GPU raises :class:`SimulatedAutogradError`; run under ``torch.no_grad()`` or
-      ``torch.inference_mode()``.
+    * Inside a backward pass, the gradients torch's C++ engine makes are plain CPU tensors until
+      they reach a leaf: Python backward code (hooks, ``Function.backward``) sees them report
+      ``cpu``, they join tensors of any simulated device without a device error (a custom
+      ``Function`` returning a gradient on the wrong GPU is not caught), and they are charged to
+      a GPU only once stored as ``.grad``. :class:`SimulatedAutogradError` is no longer raised;
+      the name stays for code that catches it.
     * Numerics of GPU kernels: ops run with CPU kernels, so results equal the CPU results, not
       CUDA's (``torch.autocast("cuda")`` changes no dtype; TF32, flash attention and
       fused kernels are not used). Streams and events have no semantics (all work is synchronous).
@@ -73,7 +88,7 @@ from typing import Any, Iterator, List, Sequence, Tuple, Union
 
 import torch
 
-from . import _sim_cuda, _sim_generators, _sim_state as S, _sim_streams
+from . import _sim_autograd, _sim_cuda, _sim_generators, _sim_state as S, _sim_streams
 from ._sim_autograd import SimulatedAutogradError
 from ._sim_devices import clear_parse_cache, parse_device
 from ._sim_machine import MemorySpec, SimulatedDeviceProperties, SimulatedMachine, format_size, parse_memory
@@ -340,6 +355,9 @@ def _install(patcher: _Patcher) -> None:
             patcher.set(owner, "load", _load)
     if _int_device_needs_standin():
         patcher.set(torch, "device", _sim_cuda.DeviceStandIn)
+    # the backward pass runs in the C++ engine; optimizers group their tensors in C++
+    _sim_autograd.install_engine(patcher)
+    _sim_autograd.install_grouping(patcher)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,6 +408,9 @@ def simulated_gpus(
             S.DEVICE_OF.clear()
             S.CUDA_DEVICES.clear()
             S.DEPTH.n = 0
+            S.DEPTH.backward = 0
+            S.DEPTH.op_outputs = None
+            S.SAVED_HOOKS = 0
             S.DEPTH.in_mode = False
             clear_parse_cache()
             _sim_cuda.stop()

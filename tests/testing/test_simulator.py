@@ -1,5 +1,5 @@
 """The simulated multi-GPU machine: torch.cuda answers, tensor placement, CUDA's device checks,
-memory accounting and OOM, inference-only guard, exact restoration on exit."""
+memory accounting and OOM, exact restoration on exit (training: test_sim_training.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ if torch.version.cuda is None:  # pragma: no cover - the simulator needs the CUD
 import torch.nn.functional as F  # noqa: E402
 
 from devmap_shims.testing import (  # noqa: E402
-    SimulatedAutogradError,
     format_size,
     is_simulated,
     parse_memory,
@@ -581,24 +580,6 @@ def test_oom_type_is_torchs():
 
 
 # ------------------------------------------------------------------------------------------------
-# inference only
-# ------------------------------------------------------------------------------------------------
-def test_autograd_is_refused_with_a_clear_message():
-    with simulated_gpus(1):
-        lin = torch.nn.Linear(2, 2).to("cuda:0")
-        x = torch.ones(1, 2, device="cuda:0")
-        with pytest.raises(SimulatedAutogradError, match="inference only.*torch.no_grad"):
-            lin(x)
-        with torch.no_grad():
-            assert lin(x).device.index == 0
-        with torch.inference_mode():
-            assert lin(x).device.index == 0
-        leaf = torch.ones(2, device="cuda:0", requires_grad=True)
-        with pytest.raises(SimulatedAutogradError):
-            leaf.backward(torch.ones(2, device="cuda:0"))
-
-
-# ------------------------------------------------------------------------------------------------
 # restoration
 # ------------------------------------------------------------------------------------------------
 def _owners():
@@ -611,6 +592,8 @@ def _owners():
     import concurrent.futures
 
     owners.append(concurrent.futures.ThreadPoolExecutor)
+    # autograd: the engine, the optimizers' grouping, saved-tensor hooks
+    owners += [torch.autograd.variable.Variable, torch._C, torch._C._autograd]
     return owners
 
 

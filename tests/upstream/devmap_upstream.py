@@ -7,17 +7,18 @@ accelerate's ``require_multi_device``-style decorators read ``torch.cuda.device_
 test module is imported, so the simulation (``devmap_shims.testing.simulated_gpus``) starts in
 ``pytest_load_initial_conftests``, before any conftest.py or test module is imported, and lasts the
 whole session. The expectations file (TOML)
-says which upstream tests are deselected and why, which run under ``torch.no_grad()`` while the
-simulator cannot record autograd history, which skips are upstream's own (slow tests, missing
-extras) and how many tests must pass; any other skip (``test requires a GPU``), a missing pass or
-a stale entry fails the session. ``--devmap-shims`` arms the shims (``devmap_shims.install``,
-strict) before the simulation starts, as ``DEVMAP_SHIMS=1`` does at interpreter start.
+says which upstream tests are deselected and why, which skips are upstream's own (slow tests,
+missing extras), how many tests must pass, and which tests assert the very behaviour a shim
+repairs (``[changed_by_shims]``): with ``--devmap-shims`` those must fail, and they do not count
+as passes. Any other skip (``test requires a GPU``), failure, missing pass or stale entry fails
+the session. ``--devmap-shims`` arms the shims (``devmap_shims.install``, strict) before the
+simulation starts, as ``DEVMAP_SHIMS=1`` does at interpreter start.
 """
 
 from __future__ import annotations
 
 import textwrap
-from typing import Any, Dict, Iterator, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 import pytest
 
@@ -39,7 +40,6 @@ class Expectations:
         self.files: List[str] = list(data["files"])
         self.passed: int = int(data["passed"])
         self.multi_gpu: List[str] = list(data.get("multi_gpu", ()))
-        self.no_grad: List[str] = list(data.get("no_grad", ()))
         self.upstream_skips: List[str] = list(data.get("upstream_skips", ()))
         self.deselect: Dict[str, str] = dict(data.get("deselect", {}))
         for nodeid, reason in self.deselect.items():
@@ -47,6 +47,8 @@ class Expectations:
                 raise pytest.UsageError(
                     f"{path}: the reason for deselecting {nodeid} must start with 'simulator:' or 'test:' "
                     f"(whose limit it is), got {reason!r}")
+        #: test -> "<shim id>: why upstream's assertion is the bug the shim repairs"
+        self.changed_by_shims: Dict[str, str] = dict(data.get("changed_by_shims", {}))
 
 
 class UpstreamRun:
@@ -57,7 +59,6 @@ class UpstreamRun:
         self.want_shims = want_shims
         self.cm: Any = None
         self.machine: Any = None
-        self.autograd = False
         self.shims: Optional[str] = None
         self.passed: List[str] = []
         self.failed: List[str] = []
@@ -79,7 +80,6 @@ class UpstreamRun:
 
         self.cm = simulated_gpus(self.expect.gpus, memory=self.expect.memory)
         self.machine = self.cm.__enter__()
-        self.autograd = _records_autograd()
 
     def stop(self) -> None:
         if self.cm is not None:
@@ -99,33 +99,34 @@ class UpstreamRun:
             else:
                 self.bad_skips.append(f"{report.nodeid}: {reason}")
 
+    def changed(self) -> List[str]:
+        """The collected tests the armed shims are expected to make fail (none without shims)."""
+        if not self.want_shims:
+            return []
+        return [nodeid for nodeid in self.expect.changed_by_shims if nodeid in self.collected]
+
     def check(self) -> None:
+        changed = self.changed()
+        for nodeid in changed:
+            if nodeid in self.passed:
+                self.problems.append(f"passed although the shims change what it asserts: {nodeid} "
+                                     f"({self.expect.changed_by_shims[nodeid]})")
+        for nodeid in self.failed:
+            if nodeid not in changed:
+                self.problems.append(f"failed: {nodeid}")
         missing = [nodeid for nodeid in self.expect.multi_gpu
-                   if nodeid in self.collected and nodeid not in self.passed]
+                   if nodeid in self.collected and nodeid not in self.passed and nodeid not in changed]
         for nodeid in missing:
             self.problems.append(f"multi-GPU test did not pass: {nodeid}")
         for entry in self.bad_skips:
             self.problems.append(f"skipped for a reason the expectations do not allow: {entry}")
-        if self.full and len(self.passed) != self.expect.passed:  # a -k or file subset has its own count
+        expected = self.expected_passes()
+        if self.full and len(self.passed) != expected:  # a -k or file subset has its own count
             self.problems.append(
-                f"{len(self.passed)} tests passed, the expectations say {self.expect.passed} "
-                f"({self.expect.path})")
+                f"{len(self.passed)} tests passed, the expectations say {expected} ({self.expect.path})")
 
-
-def _records_autograd() -> bool:
-    """Whether the running simulation records autograd history on a simulated GPU."""
-    import torch
-    from devmap_shims.testing import simulator
-
-    inference_only = getattr(simulator, "SimulatedAutogradError", None)
-    layer = torch.nn.Linear(2, 2).to("cuda:0")
-    try:
-        out = layer(torch.ones(1, 2, device="cuda:0"))
-    except Exception as exc:
-        if inference_only is not None and isinstance(exc, inference_only):
-            return False
-        raise
-    return out.requires_grad
+    def expected_passes(self) -> int:
+        return self.expect.passed - len(self.changed())
 
 
 def _applying_shims() -> List[str]:
@@ -189,9 +190,6 @@ def pytest_report_header(config: pytest.Config) -> List[str]:
     lines = [
         f"simulated machine: {run.expect.gpus} x {run.machine.name}, {run.expect.memory} each "
         "(devmap_shims.testing.simulated_gpus)",
-        "autograd on simulated GPUs: " + (
-            "recorded" if run.autograd else
-            f"not simulated; {len(run.expect.no_grad)} tests run under torch.no_grad()"),
     ]
     if run.shims is not None:
         lines.append(f"devmap-shims: {run.shims}")
@@ -206,7 +204,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
     # the files as listed, no -k/-m: the counts and the stale-entry check apply
     run.full = (set(config.args) == set(run.expect.files)
                 and not config.option.keyword and not config.option.markexpr)
-    listed = list(run.expect.deselect) + run.expect.no_grad + run.expect.multi_gpu
+    listed = list(run.expect.deselect) + list(run.expect.changed_by_shims) + run.expect.multi_gpu
     stale = sorted({nodeid for nodeid in listed if nodeid not in collected}) if run.full else []
     if stale:
         raise pytest.UsageError(f"{run.expect.path} names tests that were not collected: {', '.join(stale)}")
@@ -224,18 +222,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         _RUN.collected = {item.nodeid for item in session.items}
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    run = _RUN
-    if run is not None and not run.autograd and item.nodeid in run.expect.no_grad:
-        import torch
-
-        with torch.no_grad():
-            yield
-    else:
-        yield
-
-
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if _RUN is not None:
         _RUN.record(report)
@@ -248,6 +234,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     run.check()
     if run.problems:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    elif run.failed:  # only the failures the expectations name under [changed_by_shims]
+        session.exitstatus = pytest.ExitCode.OK
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -263,9 +251,14 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             for line in textwrap.wrap(run.expect.deselect[nodeid], width=96, break_on_hyphens=False):
                 tr.write_line(f"    {line}")
     tr.write_line(
-        f"passed {len(run.passed)} (expected {run.expect.passed}; multi-GPU {len(run.expect.multi_gpu)}), "
+        f"passed {len(run.passed)} (expected {run.expected_passes()}; multi-GPU {len(run.expect.multi_gpu)}), "
         f"failed {len(run.failed)}, skipped by upstream {len(run.upstream_skipped)}, "
         f"deselected {len(run.deselected)}")
+    for nodeid in run.changed():
+        outcome = "failed, as expected" if nodeid in run.failed else "did not fail"
+        tr.write_line(f"changed by the shims ({outcome}): {nodeid}")
+        for line in textwrap.wrap(run.expect.changed_by_shims[nodeid], width=96, break_on_hyphens=False):
+            tr.write_line(f"    {line}")
     if run.shims is not None:
         applying = _applying_shims()
         active = [shim for shim in applying if shim.endswith("(active)")]

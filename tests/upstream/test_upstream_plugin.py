@@ -54,7 +54,6 @@ def _expect(pytester: pytest.Pytester, gpus: int = 2, passed: int = 2) -> str:
         f'gpus = {gpus}\nmemory = "64MiB"\npassed = {passed}\n'
         'upstream_skips = ["test is slow"]\n'
         'multi_gpu = ["test_up.py::T::test_two_devices"]\n'
-        'no_grad = ["test_up.py::T::test_inference"]\n'
         '[deselect]\n"test_up.py::T::test_compile" = "simulator: torch.compile runs eagerly"\n'
     )
     return str(path)
@@ -110,7 +109,7 @@ def test_a_subset_is_not_held_to_the_count(upstream):
 def test_a_stale_entry_is_an_error(upstream):
     expect = _expect(upstream)
     with open(expect) as f:
-        text = f.read().replace("T::test_inference", "T::test_gone")
+        text = f.read().replace("T::test_two_devices", "T::test_gone")
     with open(expect, "w") as f:
         f.write(text)
     result = _run(upstream, expect)
@@ -127,7 +126,11 @@ def test_expectations_file(path, monkeypatch):
     with open(path, encoding="utf-8") as f:
         assert re.search(r'^sdist_sha256 = "[0-9a-f]{64}"$', f.read(), re.M)
     assert expect.passed > 0 and expect.gpus >= 2
-    listed = list(expect.deselect) + expect.no_grad + expect.multi_gpu
+    listed = list(expect.deselect) + list(expect.changed_by_shims) + expect.multi_gpu
     assert all(nodeid.split("::")[0] in expect.files for nodeid in listed)
-    assert len(set(expect.no_grad)) == len(expect.no_grad)
+    from devmap_shims.shims.catalog import builtin_shims
+
+    shim_ids = {shim.id for shim in builtin_shims()[0]}
+    for nodeid, reason in expect.changed_by_shims.items():  # each names the shim that changes it
+        assert reason.split(":")[0] in shim_ids, (nodeid, reason)
     assert len(set(expect.multi_gpu)) == len(expect.multi_gpu)

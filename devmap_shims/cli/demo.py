@@ -15,15 +15,15 @@ report; the only other output is one progress line per replay on stderr.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
 import time
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from devmap_shims._text import wrap as text_wrap
 from devmap_shims.cli._output import UsageError
+from devmap_shims.cli._quiet import captured, quiet_libraries
+from devmap_shims.compat_matrix.not_affected import not_affected_reason
 
 #: the report's width: every line fits
 WIDTH = 100
@@ -46,130 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ids", nargs="*", metavar="ID", help="only these matrix rows (replayed whether they apply or not)")
 
 
-# -- why a row does not apply -------------------------------------------------------------------
-def _side(version: str, spec: str) -> Optional[str]:
-    """``"above"`` when ``version`` is past the upper end of ``spec``, ``"below"`` when it comes
-    before its lower end, None otherwise (an excluded version such as ``!=4.49.*``)."""
-    from packaging.specifiers import SpecifierSet
-
-    from devmap_shims.versions import release_tuple, version_in
-
-    have = release_tuple(version)
-    for item in SpecifierSet(spec):
-        if version_in(version, str(item)):
-            continue
-        if item.operator == "!=" or item.version.endswith(".*"):
-            return None
-        bound = release_tuple(item.version)
-        if item.operator in (">=", ">", "~="):
-            return "below"
-        if item.operator in ("<", "<="):
-            return "above"
-        if item.operator in ("==", "==="):
-            return "above" if have > bound else "below"
-    return None
-
-
-def _lower_bound(spec: str) -> Optional[str]:
-    from packaging.specifiers import SpecifierSet
-
-    for item in SpecifierSet(spec):
-        if item.operator in (">=", "==", "~=") and not item.version.endswith(".*"):
-            return item.version
-    return None
-
-
-def not_affected_reason(row: Any, versions: Dict[str, Optional[str]]) -> Optional[str]:
-    """Why ``row`` does not apply to ``versions``, in a few words; None when it applies.
-
-    Installed past the range: ``"fixed in transformers 4.46.0"`` (from ``fixed_in``); before it:
-    ``"introduced in accelerate 1.15.0"`` for the library the bug lives in, ``"needs bitsandbytes
-    >=0.48.0"`` for another; ``"diffusers is not installed"``; for a version the range excludes
-    (``!=4.49.*``): ``"transformers 4.49.0 is left out of >=4.45.0,<4.51.0,!=4.49.*"``.
-    """
-    from devmap_shims.compat_matrix import requirement_text
-    from devmap_shims.versions import release_tuple, version_in
-
-    for dist, spec in row.affected.items():
-        version = versions.get(dist)
-        if version is None:
-            return f"{dist} is not installed"
-        try:
-            if version_in(version, spec):
-                continue
-            side = _side(version, spec)
-        except ValueError:
-            return f"{dist} {version} is not a comparable version"
-        if side == "above":
-            fixed = None if row.unfixed else row.fixed_in.get(dist)
-            if fixed and release_tuple(fixed) <= release_tuple(version):
-                return f"fixed in {dist} {fixed}"
-            return f"affects {requirement_text(dist, spec)} only"
-        if side == "below":
-            lower = _lower_bound(spec)
-            if lower and dist == row.library:
-                return f"introduced in {dist} {lower}"
-            return f"needs {requirement_text(dist, spec)}"
-        return f"{dist} {version} is left out of {spec}"  # an exclusion such as !=4.49.*
-    return None
-
-
 # -- replaying ----------------------------------------------------------------------------------
-def quiet_libraries() -> None:
-    """No progress bar and no library warning in the report: set before the libraries are imported
-    (tqdm reads ``TQDM_DISABLE`` when it is imported), and again on the loggers."""
-    import logging
-    import os
-    import warnings
-
-    for name, value in (
-        ("TQDM_DISABLE", "1"),
-        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
-        ("TRANSFORMERS_VERBOSITY", "error"),
-        ("DIFFUSERS_VERBOSITY", "error"),
-        ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"),
-        ("BITSANDBYTES_NOWELCOME", "1"),
-        ("HF_HUB_OFFLINE", "1"),
-    ):
-        os.environ[name] = value
-    for name in ("transformers", "diffusers", "accelerate", "bitsandbytes", "huggingface_hub", "torch", "peft"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    try:  # tiny models: one thread is faster than contending for two cores
-        import torch
-
-        torch.set_num_threads(1)
-    except ImportError:
-        pass
-
-
-def _silence_loaded_libraries() -> None:
-    """Progress bars of libraries imported already (tqdm read its environment before ours)."""
-    modules = sys.modules
-    for name, call in (
-        ("transformers.utils.logging", "disable_progress_bar"),
-        ("diffusers.utils.logging", "disable_progress_bar"),
-        ("huggingface_hub.utils", "disable_progress_bars"),
-    ):
-        module = modules.get(name)
-        if module is not None and callable(getattr(module, call, None)):
-            try:
-                getattr(module, call)()
-            except Exception:  # a library's switch must not stop the demo
-                pass
-
-
-@contextmanager
-def _captured() -> Iterator[io.StringIO]:
-    """What a scenario writes to stdout and stderr (a stray bar, a print) stays out of the report."""
-    buffer = io.StringIO()
-    with redirect_stdout(buffer), redirect_stderr(buffer):
-        try:
-            yield buffer
-        finally:
-            _silence_loaded_libraries()
-
-
 def collect(
     ids: List[str],
     replay_all: bool,
@@ -230,7 +107,7 @@ def collect(
 def _replay_row(bug_id: str, item: Any, affected: bool, why: str, shim: Optional[str]) -> Dict[str, Any]:
     from devmap_shims.scenarios.replay import replay
 
-    with _captured():
+    with captured():
         without = replay(item, shims=False)
         with_shims = replay(item, shims=True, shim_id=shim) if shim and not without.unavailable else None
     return {
@@ -341,7 +218,7 @@ def wrap(text: str, first: str = "", later: Optional[str] = None, width: int = W
     (:func:`devmap_shims._text.wrap`: between words, never inside an id or a version range, a name
     kept with the version after it). ``max_lines``: the rest is elided with ``...``."""
     later = " " * len(first) if later is None else later
-    return text_wrap(text, width, indent=first, hang=later, max_lines=max_lines or None) or [first.rstrip()]
+    return text_wrap(text, width, indent=first, hang=later, max_lines=max_lines or None)
 
 
 def _marks() -> Dict[str, str]:

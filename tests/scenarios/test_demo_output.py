@@ -14,6 +14,7 @@ import pytest
 
 from devmap_shims.cli import demo
 from devmap_shims.compat_matrix import load_matrix
+from devmap_shims.compat_matrix.not_affected import not_affected_reason
 from devmap_shims.scenarios import all_scenarios
 from devmap_shims.shims.catalog import builtin_shims, shim_of_rows
 from devmap_shims.versions import TARGET_DISTRIBUTIONS, installed_versions, release_tuple, version_in
@@ -34,7 +35,7 @@ LIBRARY_NOISE = re.compile("[\u2588-\u258f]" r"|it/s|s/it|w/s|\d+%\||Loading (pi
 # -- why a row does not apply -------------------------------------------------------------------
 def test_every_row_that_does_not_apply_says_why_in_terms_of_its_range():
     for row in MATRIX.rows:
-        reason = demo.not_affected_reason(row, VERSIONS)
+        reason = not_affected_reason(row, VERSIONS)
         if row.applies(VERSIONS):
             assert reason is None, row.id
             continue
@@ -72,13 +73,13 @@ def test_the_first_fixed_release_reads_fixed_and_a_release_before_the_range_read
             continue
         (dist, spec), = row.affected.items()
         if not row.unfixed and dist in row.fixed_in and not version_in(row.fixed_in[dist], spec):
-            assert demo.not_affected_reason(row, {dist: row.fixed_in[dist]}) == f"fixed in {dist} {row.fixed_in[dist]}"
+            assert not_affected_reason(row, {dist: row.fixed_in[dist]}) == f"fixed in {dist} {row.fixed_in[dist]}"
             checked += 1
         lower = re.match(r">=(\d[\d.]*)", spec)
         if lower and dist == row.library and not version_in("0.0.1", spec):
-            assert demo.not_affected_reason(row, {dist: "0.0.1"}) == f"introduced in {dist} {lower.group(1)}"
+            assert not_affected_reason(row, {dist: "0.0.1"}) == f"introduced in {dist} {lower.group(1)}"
             checked += 1
-        assert demo.not_affected_reason(row, {dist: None}) == f"{dist} is not installed"
+        assert not_affected_reason(row, {dist: None}) == f"{dist} is not installed"
     assert checked >= 20  # most rows have one range and a fixed release
 
 
@@ -215,7 +216,7 @@ def test_a_real_run_prints_no_library_progress_or_warning_fits_100_columns_and_a
     assert fixed == sum(1 for line in out_lines if re.match(r"\S fixed  \S", line)) == applies
     assert by_shim == workaround == 0
     if other_row:  # replayed (working) or unavailable here, with the reason it does not apply
-        reason = demo.not_affected_reason(other_row, VERSIONS)
+        reason = not_affected_reason(other_row, VERSIONS)
         assert any(re.fullmatch(rf"  {re.escape(other_row.id)} +{re.escape(reason)}", line) for line in out_lines)
         assert {"Not affected here; replayed, the libraries behave (1):",
                 "Not affected here; no scenario that runs on this stack (1):"} & set(out_lines), proc.stdout
@@ -231,7 +232,7 @@ def test_json_keeps_every_row_with_why_it_does_not_apply():
     for bug in data["bugs"]:
         row = MATRIX.get(bug["bug_id"])
         assert bug["affected_here"] == row.applies(VERSIONS)
-        assert bug["not_affected_reason"] == demo.not_affected_reason(row, VERSIONS)
+        assert bug["not_affected_reason"] == not_affected_reason(row, VERSIONS)
         assert bug["status"] == ("not-affected" if not bug["affected_here"]
                                  else "shim-not-replayed" if row.id in SHIM_OF else "workaround-only")
     assert data["summary"] == demo.summarize(data["bugs"])

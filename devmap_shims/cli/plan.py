@@ -30,13 +30,14 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from devmap_shims._text import wrap as text_wrap
 from devmap_shims.cli._output import EXIT_OK, EXIT_PROBLEM, UsageError, one_line
-from devmap_shims.planning.sizes import TopologyError, format_bytes, parse_gpus, parse_size
+from devmap_shims.cli._plan_inputs import (
+    build_max_memory, default_cpu_memory, parse_caps, quantization_of, read_config_dict,
+)
+from devmap_shims.cli._plan_text import describe_gpus, render, render_all, wrap
+from devmap_shims.planning.sizes import TopologyError, parse_gpus, parse_size
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
-#: Text output is wrapped to this many columns.
-WIDTH = 100
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,134 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
 
 
-# -- inputs ---------------------------------------------------------------------------------------
-
-
-#: A model config is a few kilobytes; nothing larger is read.
-MAX_CONFIG_BYTES = 4 << 20
-#: What a config may ask the planner to build on the meta device: a few thousand layers at most.
-MAX_LAYERS = 4096
-_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-
-
-def read_config_dict(path_text: str) -> Tuple[Dict[str, Any], Path]:
-    """The JSON object of a local ``config.json`` (or of a folder's), read without blocking on a
-    FIFO or a device and without following it past :data:`MAX_CONFIG_BYTES`."""
-    import os
-    import stat
-
-    path = Path(path_text)
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise UsageError(f"{path} is a folder without a config.json (give a model folder holding "
-                             "config.json, or the config file itself)")
-        path = path / "config.json"
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise UsageError(f"no such file or folder: {path} (give a model folder holding config.json, "
-                         "or the config file itself)") from None
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise UsageError(f"{path} is not a regular file (a model config is a JSON file)")
-        raw = os.read(fd, MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise UsageError(f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a model config")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise UsageError(f"{path} is not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    except (RecursionError, ValueError) as exc:  # nested too deep; numbers too long to convert
-        raise UsageError(f"{path} cannot be read as a model config ({type(exc).__name__})") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{path} does not hold a JSON object")
-    if not isinstance(data.get("model_type"), str):
-        raise UsageError(f"{path} has no \"model_type\"; it does not look like a transformers model config")
-    _check_plausible(data, path)
-    return data, path
-
-
-def _check_plausible(data: Dict[str, Any], path: Path) -> None:
-    """Refuse, in one line, configs the planner cannot build on the meta device: no layers, more
-    than :data:`MAX_LAYERS`, or sizes no machine has."""
-    for key in _LAYER_KEYS:
-        value = data.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LAYERS:
-            raise UsageError(f"{path}: {key} = {str(value)[:40]} (plan builds models of 1 to {MAX_LAYERS} layers)")
-    for key, value in data.items():
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**40:
-            raise UsageError(f"{path}: {key} = {str(value)[:40]}... is larger than any model dimension")
-
-
-def parse_caps(text: Optional[str]) -> Dict[Any, int]:
-    caps: Dict[Any, int] = {}
-    if not text:
-        return caps
-    for part in text.split(","):
-        key, sep, value = part.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise TopologyError(f"cannot read max_memory entry {part!r} (write e.g. 0=10GiB or cpu=100GiB)")
-        if key.isdigit():
-            caps[int(key)] = parse_size(value)
-        elif key in ("cpu", "disk"):
-            caps[key] = parse_size(value)
-        else:
-            raise TopologyError(f"unknown device {key!r} in --max-memory (use GPU numbers, cpu or disk)")
-    return caps
-
-
-def _default_cpu_memory() -> Optional[int]:
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except Exception:  # pragma: no cover - psutil comes with accelerate
-        return None
-
-
-def build_max_memory(gpus: List[int], cpu: Optional[int], caps: Dict[Any, int]) -> Dict[Any, int]:
-    for key in caps:
-        if isinstance(key, int) and key >= len(gpus):
-            raise TopologyError(f"--max-memory names GPU {key}, but the topology has {len(gpus)} GPU(s)")
-    mm: Dict[Any, int] = {i: min(size, caps.get(i, size)) for i, size in enumerate(gpus)}
-    cpu_budget = caps.get("cpu", cpu)
-    if cpu_budget is not None:
-        mm["cpu"] = cpu_budget
-    if "disk" in caps:
-        mm["disk"] = caps["disk"]
-    return mm
-
-
-def _quantization(args: argparse.Namespace, data: Dict[str, Any]) -> str:
-    qc = data.pop("quantization_config", None)
-    if args.quantization:
-        return args.quantization
-    if not qc:
-        return "none"
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if method == "bitsandbytes":
-        if qc.get("load_in_4bit"):
-            return "4bit"
-        if qc.get("load_in_8bit"):
-            return "8bit"
-    raise UsageError(
-        f"the config is quantized with {method or 'an unknown method'}, which plan does not model; "
-        "pass --quantization none, 4bit or 8bit to choose"
-    )
-
-
 # -- the run ------------------------------------------------------------------------------------------
 
 
@@ -204,13 +77,13 @@ def run(args: argparse.Namespace) -> int:
     say = Progress(getattr(args, "quiet", False))
     try:
         gpus = parse_gpus(args.gpus)
-        cpu = parse_size(args.cpu_memory) if args.cpu_memory else _default_cpu_memory()
+        cpu = parse_size(args.cpu_memory) if args.cpu_memory else default_cpu_memory()
         caps = parse_caps(args.max_memory)
         max_memory = build_max_memory(gpus, cpu, caps)
     except TopologyError as exc:
         raise UsageError(str(exc)) from None
     data, path = read_config_dict(args.config)
-    quantization = _quantization(args, data)
+    quantization = quantization_of(args, data)
     versions = _versions()
 
     say(f"importing torch {versions.get('torch') or '?'} and "
@@ -256,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(report, sys.stdout, indent=2, default=str)
         print()
     else:
-        print(_human(report) if len(reports) == 1 else _human_all(report))
+        print(render(report) if len(reports) == 1 else render_all(report))
     return EXIT_OK if all(r["verdict"] == "ok" for r in reports) else EXIT_PROBLEM
 
 
@@ -266,26 +139,6 @@ def _parameters(count: int) -> str:
     if count >= 10**6:
         return f"{count / 1e6:.1f} M parameters"
     return f"{count} parameters"
-
-
-def _size(n: int) -> str:
-    """``23 GiB`` / ``23.5 GiB``: a topology's sizes, without trailing zeros."""
-    text = format_bytes(n)
-    number, _, unit = text.partition(" ")
-    if "." in number:
-        number = number.rstrip("0").rstrip(".")
-    return f"{number} {unit}"
-
-
-def describe_gpus(gpus: List[int]) -> str:
-    """``4 x 23 GiB`` or ``2 x 80 GiB + 2 x 40 GiB``: runs of equal GPUs, in order."""
-    runs: List[List[int]] = []
-    for size in gpus:
-        if runs and runs[-1][1] == size:
-            runs[-1][0] += 1
-        else:
-            runs.append([1, size])
-    return " + ".join(f"{count} x {_size(size)}" for count, size in runs)
 
 
 def _build_config(data: Dict[str, Any], path: Path) -> Any:
@@ -416,64 +269,6 @@ def _modules_per_device(device_map: Dict[str, Any]) -> Dict[str, List[str]]:
     return out
 
 
-def _device_order(key: str) -> Tuple[int, Any]:
-    return (0, int(key)) if key.isdigit() else (1, {"cpu": 0, "disk": 1}.get(key, 2))
-
-
-def _human(report: Dict[str, Any]) -> str:
-    gpus = describe_gpus([int(v) for v in report["gpus"].values()])
-    lines = _header(report, f"device_map={report['strategy']!r} on {len(report['gpus'])} GPU(s): {gpus}")
-    rows = [("device", "bytes", "share", "modules")]
-    budgets = report["max_memory"]
-    devices = sorted(set(report["bytes_per_device"]) | set(report["gpus"]), key=_device_order)
-    for dev in devices:
-        used = report["bytes_per_device"].get(dev, 0)
-        capacity = report["gpus"].get(dev) or budgets.get(dev)
-        share = f"{100 * used / capacity:.1f}%" if capacity else "-"
-        label = f"GPU {dev}" if dev.isdigit() else dev
-        modules = ", ".join(report["modules_per_device"].get(dev, [])) or "-"
-        rows.append((label, format_bytes(used), share, modules))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    for r in rows:
-        head = "  " + "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  "
-        lines.append(wrap(head + r[3], indent=" " * len(head)))
-    lines.extend(_verdict_lines(report))
-    before = report.get("without_shims")
-    if before:
-        lines.append(wrap(
-            f"without devmap-shims: {before['verdict']} ({before['balance_ratio']:.2f}x); "
-            f"repaired by {', '.join(report['shims_applied'])}"
-        ))
-    elif report["shims_armed"]:
-        lines.append("devmap-shims leaves this map unchanged")
-    else:
-        lines.append(wrap("devmap-shims: device-map shim not armed (--without-shims, "
-                          "or the bug does not apply here)"))
-    return "\n".join(lines)
-
-
-def _header(report: Dict[str, Any], what: str) -> List[str]:
-    versions = ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v)
-    return [
-        wrap(f"model: {report.get('model_class') or report['model_type']} "
-             f"from {elide_path(report['config'])} ({format_bytes(report['model_bytes'])} to place, "
-             f"{report['quantization']}, {report['dtype']})"),
-        wrap(what),
-        wrap(f"stack: {versions}"),
-    ]
-
-
-def _verdict_lines(report: Dict[str, Any], label: str = "verdict") -> List[str]:
-    ratio = report.get("balance_ratio")
-    verdict = f"{label}: {report['verdict']}"
-    if ratio is not None and not report.get("offload_unavoidable"):
-        verdict += f" (busiest GPU {ratio:.2f}x the lower bound {format_bytes(report['lower_bound'])})"
-    lines = [wrap(verdict)]
-    for problem in report["problems"]:
-        lines.append(wrap(f"  - {problem}", indent="    "))
-    return lines
-
-
 # -- --device-map all ---------------------------------------------------------------------------------
 
 #: What every strategy's report shares; the rest goes under "strategies".
@@ -497,68 +292,3 @@ def _combined(reports: List[Dict[str, Any]]) -> Dict[str, Any]:
         out["strategies"].append(entry)
     out["verdicts"] = {r["strategy"]: r["verdict"] for r in reports}
     return out
-
-
-def _gpus_used(bytes_per_device: Dict[str, int]) -> str:
-    from devmap_shims.planning.assess import _ranges
-
-    used = sorted(int(k) for k, v in bytes_per_device.items() if k.isdigit() and v > 0)
-    return _ranges(used) or "none"
-
-
-def _row(strategy: str, side: str, judged: Dict[str, Any]) -> List[str]:
-    per = judged["bytes_per_device"]
-    busiest = max([v for k, v in per.items() if k.isdigit()] or [0])
-    ratio = judged.get("balance_ratio")
-    offloaded = judged.get("offloaded_bytes") or 0
-    shown = ratio is not None and not judged.get("offload_unavoidable")
-    return [strategy, side, judged["verdict"], _gpus_used(per), format_bytes(busiest),
-            f"{ratio:.2f}x" if shown else "-", format_bytes(offloaded) if offloaded else "-"]
-
-
-def _human_all(report: Dict[str, Any]) -> str:
-    from devmap_shims.cli._output import table
-
-    gpus = describe_gpus([int(v) for v in report["gpus"].values()])
-    lines = _header(report, f"{len(report['gpus'])} GPU(s): {gpus}")
-    armed = bool(report["shims_armed"])
-    rows = []
-    for entry in report["strategies"]:
-        if armed:
-            rows.append(_row(entry["strategy"], "with", entry))
-            rows.append(_row("", "without", entry["without_shims"]))
-        else:
-            rows.append(_row(entry["strategy"], "without", entry))
-    lines.append(table(rows, ["strategy", "shims", "verdict", "GPUs", "busiest GPU", "x bound", "CPU/disk"]))
-    if not armed:
-        lines.append(wrap("devmap-shims: device-map shim not armed (--without-shims, or the bug does "
-                          "not apply here): each row is the library's own map"))
-    # the problems of the maps shown first, each set once with the strategies it concerns
-    groups: Dict[Tuple[str, ...], List[Dict[str, Any]]] = {}
-    for entry in report["strategies"]:
-        if entry["problems"]:
-            groups.setdefault((entry["verdict"], *entry["problems"]), []).append(entry)
-    for entries in groups.values():
-        label = ", ".join(e["strategy"] for e in entries)
-        lines.append(wrap(f"{label}: {entries[0]['verdict']}"))
-        lines.extend(wrap(f"  - {problem}", indent="    ") for problem in entries[0]["problems"])
-    return "\n".join(lines)
-
-
-# -- text that fits WIDTH columns ---------------------------------------------------------------------
-
-def elide_path(path: str, width: int = WIDTH - 2) -> str:
-    """``path`` when it fits ``width`` columns, else ``.../`` and as many of its last components
-    as fit (the file name at least)."""
-    if len(path) <= width:
-        return path
-    tail = path[-(width - 4):]
-    cut = tail.find("/")
-    return ".../" + (tail[cut + 1:] if cut >= 0 else path.rsplit("/", 1)[-1])
-
-
-def wrap(text: str, width: int = WIDTH, indent: str = "  ") -> str:
-    """``text`` on lines of at most ``width`` columns (:func:`devmap_shims._text.wrap`: between
-    words, never inside a version range, a name and its version or a size), continuation lines
-    indented by ``indent``."""
-    return "\n".join(text_wrap(text, width, hang=indent or ""))

@@ -311,7 +311,7 @@ def test_text_output_fits_100_columns_with_a_long_path(capsys, tmp_path, stack_r
 
 
 def test_wrap_breaks_at_spaces_but_never_inside_a_version_range_or_a_name_and_version():
-    from devmap_shims.cli.plan import wrap
+    from devmap_shims.cli._plan_text import wrap
 
     text = ("applies to transformers >=4.45, <4.50 with accelerate >= 1.0, < 1.2 and torch 2.15.0 on "
             "every GPU of 3.82 GiB " * 3)
@@ -326,7 +326,7 @@ def test_wrap_breaks_at_spaces_but_never_inside_a_version_range_or_a_name_and_ve
 
 
 def test_elide_path_keeps_the_last_components_that_fit():
-    from devmap_shims.cli.plan import elide_path
+    from devmap_shims.cli._plan_text import elide_path
 
     assert elide_path("/models/llama/config.json") == "/models/llama/config.json"
     long = "/tmp/" + "x" * 120 + "/llama-3-8b/config.json"

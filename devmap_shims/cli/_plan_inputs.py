@@ -1,0 +1,136 @@
+"""What ``devmap-shims plan`` reads: the model config (a file or a folder holding one, bounded and
+checked before anything is built) and the memory budgets the user describes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from devmap_shims.cli._output import UsageError
+from devmap_shims.planning.sizes import TopologyError, parse_size
+
+#: A model config is a few kilobytes; nothing larger is read.
+MAX_CONFIG_BYTES = 4 << 20
+#: What a config may ask the planner to build on the meta device: a few thousand layers at most.
+MAX_LAYERS = 4096
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+def read_config_dict(path_text: str) -> Tuple[Dict[str, Any], Path]:
+    """The JSON object of a local ``config.json`` (or of a folder's), read without blocking on a
+    FIFO or a device and without following it past :data:`MAX_CONFIG_BYTES`."""
+    import os
+    import stat
+
+    path = Path(path_text)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise UsageError(f"{path} is a folder without a config.json (give a model folder holding "
+                             "config.json, or the config file itself)")
+        path = path / "config.json"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise UsageError(f"no such file or folder: {path} (give a model folder holding config.json, "
+                         "or the config file itself)") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(f"{path} is not a regular file (a model config is a JSON file)")
+        raw = os.read(fd, MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise UsageError(f"{path} is larger than {MAX_CONFIG_BYTES >> 20} MiB: not a model config")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except (RecursionError, ValueError) as exc:  # nested too deep; numbers too long to convert
+        raise UsageError(f"{path} cannot be read as a model config ({type(exc).__name__})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path} does not hold a JSON object")
+    if not isinstance(data.get("model_type"), str):
+        raise UsageError(f"{path} has no \"model_type\"; it does not look like a transformers model config")
+    _check_plausible(data, path)
+    return data, path
+
+
+def _check_plausible(data: Dict[str, Any], path: Path) -> None:
+    """Refuse, in one line, configs the planner cannot build on the meta device: no layers, more
+    than :data:`MAX_LAYERS`, or sizes no machine has."""
+    for key in _LAYER_KEYS:
+        value = data.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LAYERS:
+            raise UsageError(f"{path}: {key} = {str(value)[:40]} (plan builds models of 1 to {MAX_LAYERS} layers)")
+    for key, value in data.items():
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**40:
+            raise UsageError(f"{path}: {key} = {str(value)[:40]}... is larger than any model dimension")
+
+
+def parse_caps(text: Optional[str]) -> Dict[Any, int]:
+    caps: Dict[Any, int] = {}
+    if not text:
+        return caps
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise TopologyError(f"cannot read max_memory entry {part!r} (write e.g. 0=10GiB or cpu=100GiB)")
+        if key.isdigit():
+            caps[int(key)] = parse_size(value)
+        elif key in ("cpu", "disk"):
+            caps[key] = parse_size(value)
+        else:
+            raise TopologyError(f"unknown device {key!r} in --max-memory (use GPU numbers, cpu or disk)")
+    return caps
+
+
+def default_cpu_memory() -> Optional[int]:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # pragma: no cover - psutil comes with accelerate
+        return None
+
+
+def build_max_memory(gpus: List[int], cpu: Optional[int], caps: Dict[Any, int]) -> Dict[Any, int]:
+    for key in caps:
+        if isinstance(key, int) and key >= len(gpus):
+            raise TopologyError(f"--max-memory names GPU {key}, but the topology has {len(gpus)} GPU(s)")
+    mm: Dict[Any, int] = {i: min(size, caps.get(i, size)) for i, size in enumerate(gpus)}
+    cpu_budget = caps.get("cpu", cpu)
+    if cpu_budget is not None:
+        mm["cpu"] = cpu_budget
+    if "disk" in caps:
+        mm["disk"] = caps["disk"]
+    return mm
+
+
+def quantization_of(args: argparse.Namespace, data: Dict[str, Any]) -> str:
+    qc = data.pop("quantization_config", None)
+    if args.quantization:
+        return args.quantization
+    if not qc:
+        return "none"
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method == "bitsandbytes":
+        if qc.get("load_in_4bit"):
+            return "4bit"
+        if qc.get("load_in_8bit"):
+            return "8bit"
+    raise UsageError(
+        f"the config is quantized with {method or 'an unknown method'}, which plan does not model; "
+        "pass --quantization none, 4bit or 8bit to choose"
+    )

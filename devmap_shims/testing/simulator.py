@@ -88,7 +88,7 @@ from typing import Any, Iterator, List, Sequence, Tuple, Union
 
 import torch
 
-from . import _sim_autograd, _sim_cuda, _sim_generators, _sim_state as S, _sim_streams
+from . import _sim_autograd, _sim_cuda, _sim_generators, _sim_optim, _sim_state as S, _sim_streams
 from ._sim_autograd import SimulatedAutogradError
 from ._sim_devices import clear_parse_cache, parse_device
 from ._sim_machine import MemorySpec, SimulatedDeviceProperties, SimulatedMachine, format_size, parse_memory
@@ -357,7 +357,7 @@ def _install(patcher: _Patcher) -> None:
         patcher.set(torch, "device", _sim_cuda.DeviceStandIn)
     # the backward pass runs in the C++ engine; optimizers group their tensors in C++
     _sim_autograd.install_engine(patcher)
-    _sim_autograd.install_grouping(patcher)
+    _sim_optim.install_grouping(patcher)
 
 
 # ---------------------------------------------------------------------------------------------

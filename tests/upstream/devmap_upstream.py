@@ -17,10 +17,11 @@ simulation starts, as ``DEVMAP_SHIMS=1`` does at interpreter start.
 
 from __future__ import annotations
 
-import textwrap
 from typing import Any, Dict, List, Optional, Set
 
 import pytest
+
+from devmap_shims._text import wrap
 
 try:
     import tomllib
@@ -248,8 +249,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         tr.write_line(f"deselected ({len(run.deselected)}):")
         for nodeid in run.deselected:
             tr.write_line(f"  {nodeid}")
-            for line in textwrap.wrap(run.expect.deselect[nodeid], width=96, break_on_hyphens=False):
-                tr.write_line(f"    {line}")
+            for line in wrap(run.expect.deselect[nodeid], indent="    "):
+                tr.write_line(line)
     tr.write_line(
         f"passed {len(run.passed)} (expected {run.expected_passes()}; multi-GPU {len(run.expect.multi_gpu)}), "
         f"failed {len(run.failed)}, skipped by upstream {len(run.upstream_skipped)}, "
@@ -257,14 +258,14 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     for nodeid in run.changed():
         outcome = "failed, as expected" if nodeid in run.failed else "did not fail"
         tr.write_line(f"changed by the shims ({outcome}): {nodeid}")
-        for line in textwrap.wrap(run.expect.changed_by_shims[nodeid], width=96, break_on_hyphens=False):
-            tr.write_line(f"    {line}")
+        for line in wrap(run.expect.changed_by_shims[nodeid], indent="    "):
+            tr.write_line(line)
     if run.shims is not None:
         applying = _applying_shims()
         active = [shim for shim in applying if shim.endswith("(active)")]
         text = f"devmap-shims: {len(active)} of {len(applying)} applying shims hooked in: " + ", ".join(
             shim[: -len(" (active)")] for shim in active)
-        for line in textwrap.wrap(text, width=100, subsequent_indent="  ", break_on_hyphens=False):
+        for line in wrap(text, hang="  "):
             tr.write_line(line)
     for problem in run.problems:
         tr.write_line(f"EXPECTATION NOT MET: {problem}", red=True)

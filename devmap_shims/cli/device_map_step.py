@@ -278,10 +278,25 @@ def _step_v5(meta: MetaModel, strategy: str, max_memory: Optional[dict], shim: b
     from devmap_shims.hooks.accelerate import device_map_balance as hook
 
     fn = original(tia._get_device_map)
-    if shim:
-        fn = _through(hook.repair_get_device_map, fn, _context())
-    with no_environment_check(meta.quantizer):
+    if not shim:
+        with no_environment_check(meta.quantizer):
+            return fn(meta.model, strategy, max_memory, meta.quantizer)
+    context = _context()
+    fn = _through(hook.repair_get_device_map, fn, context)
+    with no_environment_check(meta.quantizer), _seen_by(context, tia, "compute_module_sizes", hook.remember_module_sizes):
         return fn(meta.model, strategy, max_memory, meta.quantizer)
+
+
+@contextlib.contextmanager
+def _seen_by(context: Any, module: Any, name: str, wrapper: Callable[..., Any]) -> Iterator[None]:
+    """``module.name`` goes through the shim's ``wrapper`` for the block, as it does once the shim
+    is installed (the shim reads what the library computed there instead of computing it again)."""
+    before = getattr(module, name)
+    setattr(module, name, _through(wrapper, original(before), context))
+    try:
+        yield
+    finally:
+        setattr(module, name, before)
 
 
 @contextlib.contextmanager
@@ -307,10 +322,13 @@ def _step_v4(meta: MetaModel, strategy: str, max_memory: Optional[dict], shim: b
     get_balanced_memory = original(am.get_balanced_memory)
     infer_auto_device_map = original(am.infer_auto_device_map)
     takes_special_dtypes = "special_dtypes" in inspect.signature(infer_auto_device_map).parameters
+    seen = contextlib.ExitStack()
     if shim:
         context = _context()
         get_balanced_memory = _through(hook.remember_balanced_memory, get_balanced_memory, context)
         infer_auto_device_map = _through(hook.repair_infer_auto_device_map, infer_auto_device_map, context)
+        seen.enter_context(_seen_by(context, am, "compute_module_sizes", hook.remember_module_sizes))
+        seen.enter_context(_seen_by(context, am, "find_tied_parameters", hook.remember_tied_parameters))
     special_dtypes: Dict[str, Any] = {}
     if quantizer is not None:
         special_dtypes.update(quantizer.get_special_dtypes_update(model, dt))
@@ -334,7 +352,8 @@ def _step_v4(meta: MetaModel, strategy: str, max_memory: Optional[dict], shim: b
         budgets = quantizer.adjust_max_memory(budgets)
     kwargs["max_memory"] = budgets
     model.tie_weights()
-    return infer_auto_device_map(model, dtype=target_dtype, **kwargs)
+    with seen:
+        return infer_auto_device_map(model, dtype=target_dtype, **kwargs)
 
 
 # -- what the planning arithmetic sees, for reports -------------------------------------------------

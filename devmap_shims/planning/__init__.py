@@ -8,7 +8,7 @@ GPU ids.
 
 from __future__ import annotations
 
-from devmap_shims.planning.assess import TOLERANCE, Assessment, assess, lower_bound
+from devmap_shims.planning.assess import TOLERANCE, Assessment, assess, lower_bound, plainly_healthy
 from devmap_shims.planning.layout import Layout, Unit, build_layout, layout_from_module
 from devmap_shims.planning.repair import RepairOutcome, plan_units, repair
 from devmap_shims.planning.sizes import TopologyError, format_bytes, parse_gpus, parse_size
@@ -27,6 +27,7 @@ __all__ = [
     "lower_bound",
     "parse_gpus",
     "parse_size",
+    "plainly_healthy",
     "plan_units",
     "repair",
 ]

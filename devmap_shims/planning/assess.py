@@ -36,6 +36,7 @@ from devmap_shims.planning.partition import greedy_prefix
 from devmap_shims.planning.sizes import format_bytes
 
 TOLERANCE = 1.10
+_MARGIN = 1e-4
 OK, COLLAPSED, OFFLOADED, SKIPPED, IMBALANCED = "ok", "collapsed", "offloaded", "skipped GPU", "imbalanced"
 
 
@@ -139,17 +140,54 @@ def lower_bound(layout: Layout, budgets: Mapping[Any, float], low_zero: bool = F
     the even share takes only its budget and the others share the rest (with no user caps this
     is plain ``total / GPUs``). When the model does not fit at all, the largest GPU budget.
     """
+    level = even_level(layout.total, budgets, low_zero)
+    return max(int(-(-level // 1)), layout.largest)
+
+
+def even_level(total: float, budgets: Mapping[Any, float], low_zero: bool = False) -> float:
+    """The busiest GPU's load in a perfectly even split of ``total`` bytes over the GPUs in use,
+    GPUs whose budget is below their share taking only their budget (:func:`lower_bound` without
+    the largest-block term)."""
     caps = sorted(float(budgets[g]) for g in active_gpus(budgets, low_zero))
-    remaining, level = float(layout.total), None
+    remaining = float(total)
     for i, cap in enumerate(caps):
         share = remaining / (len(caps) - i)
         if cap >= share:
-            level = share
-            break
+            return share
         remaining -= cap
-    if level is None:
-        level = caps[-1] if caps else float(layout.total)
-    return max(int(-(-level // 1)), layout.largest)
+    return caps[-1] if caps else float(total)
+
+
+def plainly_healthy(
+    device_map: Mapping[str, Any],
+    module_sizes: Mapping[str, float],
+    budgets: Mapping[Any, float],
+    low_zero: bool = False,
+    tolerance: float = TOLERANCE,
+) -> bool:
+    """True when :func:`assess` is sure to call ``device_map`` ``ok``, judged from the map and the
+    library's own module sizes alone (no :class:`Layout`): every entry on a GPU with a budget,
+    none over it, every GPU in use holding something (so none is skipped and nothing collapsed),
+    and the busiest GPU within ``tolerance`` of an even split. False means "look closer", not
+    "degenerate": a map that leaves a GPU empty or offloads may still be the best there is.
+
+    ``module_sizes`` maps module (and tensor) names to bytes, every name's size covering all
+    tensors below it, as accelerate's and transformers' ``compute_module_sizes`` return them."""
+    loads: Dict[Any, float] = {}
+    for name, device in device_map.items():
+        if type(device) is not int or device not in budgets:
+            return False
+        loads[device] = loads.get(device, 0) + module_sizes.get(name, 0)
+    active = active_gpus(budgets, low_zero)
+    if not active or any(loads.get(g, 0) <= 0 for g in active):
+        return False
+    # the Layout rounds each unit to whole bytes: keep a margin so that rounding never turns a
+    # borderline "ok" here into another verdict there
+    margin = 1 - _MARGIN
+    if any(load > budgets[d] * margin for d, load in loads.items()):
+        return False
+    level = even_level(module_sizes.get("", 0), budgets, low_zero)
+    return max(loads.values()) <= tolerance * level * margin
 
 
 def unavoidable_offload(layout: Layout, budgets: Mapping[Any, float], reserve: int) -> int:

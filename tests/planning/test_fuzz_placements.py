@@ -36,12 +36,13 @@ from device_map_checks import (
     module_sizes,
     tensor_names,
 )
-from devmap_shims.planning import layout_from_module, lower_bound, plan_units, repair
+from devmap_shims.planning import assess, layout_from_module, lower_bound, plainly_healthy, plan_units, repair
 
 EXAMPLES = {
     "rules": 2000,
     "determinism": 600,
     "pass_through": 400,
+    "quick_check": 1500,
 }
 
 
@@ -353,6 +354,8 @@ STATS: Dict[str, Any] = {
     "worst_ratio": (0.0, ""),  # busiest GPU / lower bound, every map returned without offload
     "worst_achievable": (0.0, ""),  # the same where a split within 1.10x of the bound exists
     "worst_vs_optimum": (0.0, ""),  # busiest GPU / best contiguous split
+    "quick_ok": 0,  # maps the quick check kept without a layout
+    "full_ok": 0,  # maps the full assessment calls ok
 }
 
 
@@ -536,8 +539,8 @@ def test_sequential_and_explicit_maps_pass_through_the_hooks(case: Case, strateg
     def get_device_map(model, device_map, max_memory=None, hf_quantizer=None):
         return computed
 
-    out = hook.repair_get_device_map(get_device_map, None, (case.tree.model,),
-                                     {"device_map": requested, "max_memory": dict(case.budgets)})
+    get_map = bind_context(hook.repair_get_device_map, ShimContext(hook.SHIM))
+    out = get_map(get_device_map, None, (case.tree.model,), {"device_map": requested, "max_memory": dict(case.budgets)})
     assert out is computed
 
     def infer(model, max_memory=None, no_split_module_classes=None, dtype=None, special_dtypes=None,
@@ -549,6 +552,26 @@ def test_sequential_and_explicit_maps_pass_through_the_hooks(case: Case, strateg
                  {"max_memory": dict(case.budgets), "no_split_module_classes": list(case.tree.no_split)})
     assert out is computed
     assert out == case.original
+
+
+@fuzz_settings("quick_check")
+@given(case=cases())
+def test_quick_check_never_keeps_a_map_the_full_assessment_would_repair(case: Case):
+    """``plainly_healthy`` (the map and the library's module sizes only, no layout) says "healthy"
+    only for maps that :func:`assess` calls ``ok`` (or that place part of a block on its own, which
+    the repair leaves alone too): the shim skips building the layout for those, so a wrong yes here
+    would keep a degenerate map."""
+    STATS["examples"]["quick_check"] += 1
+    sizes = module_sizes(case.tree.model, case.tree.tensor_sizes)
+    full = None
+    units = case.layout.unit_devices(case.original)
+    if units is not None:
+        full = assess(case.layout, units, case.budgets, case.low_zero).verdict
+    STATS["full_ok"] += full == "ok"
+    if plainly_healthy(case.original, sizes, case.budgets, case.low_zero):
+        STATS["quick_ok"] += 1
+        assert full in ("ok", None), (case.kind, full)
+        assert not repair(case.layout, case.original, case.budgets, case.low_zero).repaired
 
 
 # -- torch-free -----------------------------------------------------------------------------------
@@ -586,6 +609,8 @@ def test_fuzz_summary():
         + f" ({sum(counts.values())} in all), {STATS['repaired']} maps repaired, "
         + f"{STATS['healthy_kept']} maps that meet every rule kept as they are, "
         + f"{STATS['kept_over_budget']} over-budget originals kept",
+        f"  quick check: {STATS['quick_ok']} of the {STATS['full_ok']} maps the full assessment calls ok "
+        "were kept without building a layout",
         "  original maps: " + ", ".join(f"{k} {v}" for k, v in sorted(STATS["kinds"].items())),
     ]
     for key, label in (
@@ -602,3 +627,4 @@ def test_fuzz_summary():
     assert sum(counts.values()) >= 2000
     assert STATS["worst_achievable"][0] <= TOLERANCE + 1e-9
     assert STATS["repaired"] > counts["rules"] // 10, "the generator should produce degenerate maps often"
+    assert STATS["quick_ok"] > STATS["full_ok"] // 8, "the quick check should settle many healthy maps"

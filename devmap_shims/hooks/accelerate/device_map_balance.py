@@ -52,12 +52,71 @@ class _BalancedCall:
         self.balanced = balanced
 
 
+class _Seen(threading.local):
+    """Per thread, while the library computes a map this shim judges: what it computed on the way
+    (its ``compute_module_sizes`` and ``find_tied_parameters`` results), so the shim judges the map
+    with the library's own numbers instead of computing them a second time."""
+
+    model: Any = None
+    sizes: Any = ()
+    tied: Any = None
+
+    def start(self, model: Any) -> None:
+        self.model, self.sizes, self.tied = model, [], None
+
+    def stop(self) -> None:
+        self.model, self.sizes, self.tied = None, (), None
+
+    def sizes_for(self, **expected: Any) -> Any:
+        """The sizes the library computed with these arguments (compared by identity or
+        equality), or None when it computed none such."""
+        for arguments, result in self.sizes:
+            if all(_same(arguments.get(k), v) for k, v in expected.items()):
+                return result
+        return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # tensors and such: only identity counts
+        return False
+
+
 class PendingCalls:
-    """The shim's state: per model, the ``get_balanced_memory`` call whose map is computed next."""
+    """The shim's state: per model, the ``get_balanced_memory`` call whose map is computed next,
+    and per thread what the library computed during the map call in progress."""
 
     def __init__(self) -> None:
         self.calls: "weakref.WeakKeyDictionary[Any, _BalancedCall]" = weakref.WeakKeyDictionary()
         self.lock = threading.Lock()
+        self.seen = _Seen()
+
+
+@with_context
+def remember_module_sizes(context: Any, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Call the library's ``compute_module_sizes`` unchanged; inside a map call this shim judges,
+    keep its result (read only, never changed) for the judging."""
+    result = wrapped(*args, **kwargs)
+    seen = context.state.seen
+    if seen.model is not None and not kwargs.get("buffers_only"):  # the buffers, once per module
+        arguments = bind(wrapped, args, kwargs)
+        if arguments.get("model") is seen.model and not arguments.get("buffers_only"):
+            seen.sizes.append((arguments, result))
+    return result
+
+
+@with_context
+def remember_tied_parameters(context: Any, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Call accelerate's ``find_tied_parameters`` unchanged; inside a map call this shim judges,
+    keep the groups it found for the model (not those of its own recursive calls on children)."""
+    result = wrapped(*args, **kwargs)
+    seen = context.state.seen
+    if seen.model is not None and not kwargs and len(args) == 1 and args[0] is seen.model:
+        seen.tied = result
+    return result
 
 
 # -- accelerate: get_balanced_memory + infer_auto_device_map --------------------------------------
@@ -87,19 +146,36 @@ def remember_balanced_memory(context: Any, wrapped: Callable[..., Any], instance
 def repair_infer_auto_device_map(context: Any, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """Call accelerate's ``infer_auto_device_map``; when it follows a ``get_balanced_memory`` call
     on the same model and the map is degenerate, return a balanced map instead."""
-    result = wrapped(*args, **kwargs)
-    params = bind(wrapped, args, kwargs)
-    model = params["model"]
+    try:
+        params = bind(wrapped, args, kwargs)
+    except TypeError:  # arguments the library refuses: let it say so
+        return wrapped(*args, **kwargs)
+    model = params.get("model")
     pending = context.state
     with pending.lock:
         call = pending.calls.pop(model, None) if model is not None else None
-    if call is None or not isinstance(result, dict):
-        return result  # not a balanced strategy (sequential, or a direct call): leave it alone
-    budgets = budgets_from_balanced_call(call, params.get("max_memory"))
-    if budgets is None:
-        return result
-    layout = accelerate_layout(model, params)
-    return maybe_repair(layout, result, budgets, call.low_zero, bool(params.get("clean_result", True)))
+    if call is None:
+        return wrapped(*args, **kwargs)  # not a balanced strategy (sequential, or a direct call)
+    seen = pending.seen
+    outer = seen.model is not None  # a map call inside another (transformers >= 5 calling accelerate)
+    if not outer:
+        seen.start(model)
+    try:
+        result = wrapped(*args, **kwargs)
+        if not isinstance(result, dict):
+            return result
+        budgets = budgets_from_balanced_call(call, params.get("max_memory"))
+        if budgets is None:
+            return result
+        sizes = seen.sizes_for(model=model, dtype=params.get("dtype"), special_dtypes=params.get("special_dtypes"))
+        tied = params.get("tied_parameters") or seen.tied
+        return maybe_repair(
+            lambda: accelerate_layout(model, params, sizes, tied), result, budgets, call.low_zero,
+            bool(params.get("clean_result", True)), sizes,
+        )
+    finally:
+        if not outer:
+            seen.stop()
 
 
 def _resolve_accelerate_max_memory(max_memory: Optional[dict]) -> Dict[Any, int]:
@@ -127,56 +203,76 @@ def budgets_from_balanced_call(call: _BalancedCall, passed: Optional[dict]) -> O
     return {k: user.get(k, received[k]) * factors.get(k, default) for k in received}
 
 
-def accelerate_layout(model: Any, params: Mapping[str, Any]) -> Any:
+def accelerate_layout(model: Any, params: Mapping[str, Any], sizes: Any = None, tied: Any = None) -> Any:
     """The :class:`~devmap_shims.planning.Layout` accelerate sees for ``model``, from the arguments
     of its ``infer_auto_device_map`` call (``dtype``, ``special_dtypes``, ``no_split_module_classes``,
-    ``tied_parameters``)."""
+    ``tied_parameters``). ``sizes`` and ``tied`` are what accelerate computed for that call, when
+    the shim saw it; computed here otherwise."""
     from accelerate.utils.modeling import compute_module_sizes, find_tied_parameters
 
     from devmap_shims.planning import layout_from_module
 
-    sizes = compute_module_sizes(model, dtype=params.get("dtype"), special_dtypes=params.get("special_dtypes"))
+    if sizes is None:
+        sizes = compute_module_sizes(model, dtype=params.get("dtype"), special_dtypes=params.get("special_dtypes"))
     no_split = params.get("no_split_module_classes") or ()
     if isinstance(no_split, str):
         no_split = [no_split]
-    tied = params.get("tied_parameters") or find_tied_parameters(model)
+    if not tied:
+        tied = params.get("tied_parameters") or find_tied_parameters(model)
     return layout_from_module(model, sizes, no_split, tied)
 
 
 # -- transformers >= 5: _get_device_map ------------------------------------------------------------
-def repair_get_device_map(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+@with_context
+def repair_get_device_map(context: Any, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """Call transformers' ``_get_device_map``; for the balanced strategies, replace a degenerate
     map by a balanced one computed from the user's budgets and the quantizer's adjustment."""
-    params = bind(wrapped, args, kwargs)
+    try:
+        params = bind(wrapped, args, kwargs)
+    except TypeError:  # arguments the library refuses: let it say so
+        return wrapped(*args, **kwargs)
     strategy = params.get("device_map")
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        return wrapped(*args, **kwargs)
     user = params.get("max_memory")
     user_copy = copy.copy(user) if isinstance(user, dict) else user
-    result = wrapped(*args, **kwargs)
-    if not isinstance(strategy, str) or strategy not in STRATEGIES or not isinstance(result, dict):
-        return result
     model, quantizer = params["model"], params.get("hf_quantizer")
-    if getattr(model, "_no_placement_params", None):
-        logger.debug("device map left alone: %s escapes parameters from placement", type(model).__name__)
-        return result
-    from transformers.integrations import accelerate as tia
+    seen = context.state.seen
+    seen.start(model)
+    try:
+        result = wrapped(*args, **kwargs)
+        if not isinstance(result, dict):
+            return result
+        if getattr(model, "_no_placement_params", None):
+            logger.debug("device map left alone: %s escapes parameters from placement", type(model).__name__)
+            return result
+        from transformers.integrations import accelerate as tia
 
-    budgets = tia.get_max_memory(user_copy)
-    if quantizer is not None:
-        budgets = quantizer.adjust_max_memory(budgets)
-    layout = transformers_layout(model, quantizer)
-    return maybe_repair(layout, result, budgets, strategy == "balanced_low_0", True)
+        budgets = tia.get_max_memory(user_copy)
+        if quantizer is not None:
+            budgets = quantizer.adjust_max_memory(budgets)
+        found = seen.sizes_for(model=model, hf_quantizer=quantizer, only_modules=False)
+        sizes = found[0] if found is not None else None
+        return maybe_repair(
+            lambda: transformers_layout(model, quantizer, sizes), result, budgets, strategy == "balanced_low_0",
+            True, sizes,
+        )
+    finally:
+        seen.stop()
 
 
-def transformers_layout(model: Any, quantizer: Any) -> Any:
-    """The :class:`~devmap_shims.planning.Layout` transformers >= 5 sees for ``model``."""
+def transformers_layout(model: Any, quantizer: Any, sizes: Any = None) -> Any:
+    """The :class:`~devmap_shims.planning.Layout` transformers >= 5 sees for ``model``; ``sizes``
+    are the module sizes its ``infer_auto_device_map`` computed, when the shim saw them."""
     from transformers.integrations import accelerate as tia
 
     from devmap_shims.planning import layout_from_module
 
-    try:
-        sizes, _ = tia.compute_module_sizes(model, quantizer, only_modules=False)
-    except TypeError:
-        sizes, _ = tia.compute_module_sizes(model, quantizer)
+    if sizes is None:
+        try:
+            sizes, _ = tia.compute_module_sizes(model, quantizer, only_modules=False)
+        except TypeError:
+            sizes, _ = tia.compute_module_sizes(model, quantizer)
     tied_keys = dict(getattr(model, "all_tied_weights_keys", None) or {})
     groups = [
         sorted([k for k, v in tied_keys.items() if v == target] + [target]) for target in set(tied_keys.values())
@@ -185,11 +281,20 @@ def transformers_layout(model: Any, quantizer: Any) -> Any:
     return layout_from_module(model, sizes, no_split, groups)
 
 
-def maybe_repair(layout: Any, result: dict, budgets: Mapping[Any, float], low_zero: bool, clean: bool) -> dict:
-    """``result`` itself when the planner keeps it, else the repaired map (same mapping type)."""
-    from devmap_shims.planning import repair
+def maybe_repair(
+    layout: Callable[[], Any], result: dict, budgets: Mapping[Any, float], low_zero: bool, clean: bool,
+    sizes: Optional[Mapping[str, float]] = None,
+) -> dict:
+    """``result`` itself when the planner keeps it, else the repaired map (same mapping type).
 
-    outcome = repair(layout, result, budgets, low_zero=low_zero, clean=clean)
+    ``layout`` builds the model's :class:`~devmap_shims.planning.Layout`; it is called only when
+    the library's own ``sizes`` (when known) leave the map's health in doubt."""
+    from devmap_shims.planning import plainly_healthy, repair
+
+    if sizes is not None and plainly_healthy(result, sizes, budgets, low_zero):
+        logger.debug("device map kept: map is healthy")
+        return result
+    outcome = repair(layout(), result, budgets, low_zero=low_zero, clean=clean)
     if not outcome.repaired:
         logger.debug("device map kept: %s", outcome.reason)
         return result
@@ -214,11 +319,30 @@ SHIM = Shim(
             wrapper=repair_infer_auto_device_map,
         ),
         Target(
+            "accelerate.utils.modeling",
+            "compute_module_sizes",
+            expect_params=("model", "dtype", "special_dtypes"),
+            wrapper=remember_module_sizes,
+        ),
+        Target(
+            "accelerate.utils.modeling",
+            "find_tied_parameters",
+            expect_params=("model",),
+            wrapper=remember_tied_parameters,
+        ),
+        Target(
             "transformers.integrations.accelerate",
             "_get_device_map",
             when={"transformers": ">=5"},
             expect_params=("model", "device_map", "max_memory", "hf_quantizer"),
             wrapper=repair_get_device_map,
+        ),
+        Target(
+            "transformers.integrations.accelerate",
+            "compute_module_sizes",
+            when={"transformers": ">=5"},
+            expect_params=("model", "hf_quantizer", "only_modules"),
+            wrapper=remember_module_sizes,
         ),
     ),
     state=PendingCalls,

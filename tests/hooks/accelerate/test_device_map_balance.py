@@ -95,7 +95,8 @@ def test_healthy_balanced_map_is_returned_unchanged(mistral_bf16, caplog):
     assert shimmed == plain and not repairs(caplog)
 
 
-def test_result_object_is_passed_through_untouched_when_nothing_is_wrong(gemma):
+def test_result_object_is_passed_through_untouched_when_nothing_is_wrong(gemma, direct):
+    repair_get_device_map = direct(hook.SHIM, hook.repair_get_device_map)
     sentinel = OrderedDict([("", 0)])
     calls = []
 
@@ -104,8 +105,8 @@ def test_result_object_is_passed_through_untouched_when_nothing_is_wrong(gemma):
         return sentinel if isinstance(device_map, str) else device_map
 
     explicit = {"model": 0, "lm_head": 0}
-    assert hook.repair_get_device_map(fake_original, None, (gemma.model, explicit, None, None), {}) is explicit
-    out = hook.repair_get_device_map(fake_original, None, (gemma.model, "sequential", None, None), {})
+    assert repair_get_device_map(fake_original, None, (gemma.model, explicit, None, None), {}) is explicit
+    out = repair_get_device_map(fake_original, None, (gemma.model, "sequential", None, None), {})
     assert out is sentinel and calls == [explicit, "sequential"]
 
 
@@ -115,7 +116,7 @@ def test_explicit_dict_map_is_returned_unchanged_by_the_library_path(gemma, dire
         from transformers.integrations import accelerate as tia
 
         original = stack.original(tia._get_device_map)
-        out = hook.repair_get_device_map(original, None, (gemma.model, explicit, None, None), {})
+        out = direct(hook.SHIM, hook.repair_get_device_map)(original, None, (gemma.model, explicit, None, None), {})
         assert out == explicit
     else:
         # transformers 4.x never calls accelerate's placer for a dict map; a direct
@@ -220,15 +221,15 @@ def _library_step(meta, strategy, max_memory):
         with stack.quiet_missing_devices(), stack.no_environment_check(meta.quantizer), stack.gpu_context():
             return tia._get_device_map(meta.model, strategy, dict(max_memory), meta.quantizer)
     model, q, dt = meta.model, meta.quantizer, meta.dtype
-    special = q.get_special_dtypes_update(model, dt)
-    target = q.adjust_target_dtype(dt)
+    special = q.get_special_dtypes_update(model, dt) if q is not None else {}
+    target = q.adjust_target_dtype(dt) if q is not None else dt
     no_split = model._get_no_split_modules(strategy)
     with stack.quiet_missing_devices(), stack.gpu_context([23 * GiB] * 8):
         mm = transformers.modeling_utils.get_balanced_memory(
             model, dtype=target, low_zero=False, max_memory=dict(max_memory),
             no_split_module_classes=no_split, special_dtypes=special,
         )
-        mm = q.adjust_max_memory(mm)
+        mm = q.adjust_max_memory(mm) if q is not None else mm
         model.tie_weights()
         return transformers.modeling_utils.infer_auto_device_map(
             model, dtype=target, max_memory=mm, no_split_module_classes=no_split, special_dtypes=special,
@@ -246,6 +247,56 @@ def test_installed_shim_repairs_the_map_at_the_call_sites_from_pretrained_uses(g
     assert len(repairs(caplog)) == 1
 
 
+@pytest.mark.parametrize("case", ["collapsed", "healthy"])
+def test_installed_shim_judges_the_map_with_the_sizes_the_library_computed(case, gemma, mistral_bf16, monkeypatch):
+    """The shim reads the module sizes (and, on accelerate's path, the tied groups) the library
+    computed for the map instead of computing them again: a from_pretrained step calls the
+    library's helpers as often with the shim as without. A healthy map is kept from those sizes
+    alone; the model's layout is walked only for a map that needs repairing."""
+    import functools
+    from collections import Counter
+
+    import devmap_shims.planning as planning
+
+    meta, mm = (gemma, gpus(8)) if case == "collapsed" else (mistral_bf16, gpus(4, 24))
+    calls = Counter()
+    modules = [(am, "compute_module_sizes"), (am, "find_tied_parameters")]
+    if V5:
+        from transformers.integrations import accelerate as tia
+
+        modules.append((tia, "compute_module_sizes"))
+    for module, name in modules:
+        real = stack.original(getattr(module, name))
+
+        def counted(*args, _real=real, _key=f"{module.__name__}.{name}", **kwargs):
+            if not kwargs.get("buffers_only"):
+                calls[_key] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, functools.wraps(real)(counted))
+    walks = Counter()
+    real_walk = planning.layout_from_module
+    monkeypatch.setattr(planning, "layout_from_module",
+                        lambda *a, **k: walks.update(["layout"]) or real_walk(*a, **k))
+
+    devmap_shims.uninstall()
+    plain = _library_step(meta, "auto", mm)
+    without = Counter(calls)
+    calls.clear()
+    assert devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id])
+    try:
+        shimmed = _library_step(meta, "auto", mm)
+    finally:
+        devmap_shims.uninstall()
+    assert sum(without.values()) >= 1 and calls == without
+    if case == "collapsed":
+        assert set(shimmed.values()) == set(range(8)) != set(plain.values())
+        assert walks["layout"] == 1
+    else:
+        assert shimmed == plain and len(set(plain.values())) == 4
+        assert walks["layout"] == 0
+
+
 def test_status_reports_the_shim_active(installed):
     import accelerate.utils.modeling  # noqa: F401
 
@@ -254,6 +305,7 @@ def test_status_reports_the_shim_active(installed):
     states = {t["target"]: t["state"] for t in entry["targets"]}
     assert states["accelerate.utils.modeling:infer_auto_device_map"] == "active"
     assert states["accelerate.utils.modeling:get_balanced_memory"] == "active"
+    assert states["accelerate.utils.modeling:compute_module_sizes"] == "active"
     if V5:
         import transformers.integrations.accelerate  # noqa: F401
 

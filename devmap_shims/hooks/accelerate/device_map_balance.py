@@ -168,7 +168,7 @@ def repair_infer_auto_device_map(context: Any, wrapped: Callable[..., Any], inst
         if budgets is None:
             return result
         sizes = seen.sizes_for(model=model, dtype=params.get("dtype"), special_dtypes=params.get("special_dtypes"))
-        tied = params.get("tied_parameters") or seen.tied
+        tied = params.get("tied_parameters") or seen.tied  # None when accelerate did not look
         return maybe_repair(
             lambda: accelerate_layout(model, params, sizes, tied), result, budgets, call.low_zero,
             bool(params.get("clean_result", True)), sizes,
@@ -217,7 +217,7 @@ def accelerate_layout(model: Any, params: Mapping[str, Any], sizes: Any = None, 
     no_split = params.get("no_split_module_classes") or ()
     if isinstance(no_split, str):
         no_split = [no_split]
-    if not tied:
+    if tied is None:  # [] is an answer: no tied weights
         tied = params.get("tied_parameters") or find_tied_parameters(model)
     return layout_from_module(model, sizes, no_split, tied)
 

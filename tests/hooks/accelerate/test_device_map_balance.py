@@ -32,6 +32,11 @@ MISTRAL_7B = dict(
     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
 )
 
+# untied: the layout is built without tied groups, which accelerate reports as an empty list
+LLAMA_3_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+)
 
 GEMMA_7B = dict(
     vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
@@ -247,7 +252,7 @@ def test_installed_shim_repairs_the_map_at_the_call_sites_from_pretrained_uses(g
     assert len(repairs(caplog)) == 1
 
 
-@pytest.mark.parametrize("case", ["collapsed", "healthy"])
+@pytest.mark.parametrize("case", ["collapsed", "collapsed-untied", "healthy"])
 def test_installed_shim_judges_the_map_with_the_sizes_the_library_computed(case, gemma, mistral_bf16, monkeypatch):
     """The shim reads the module sizes (and, on accelerate's path, the tied groups) the library
     computed for the map instead of computing them again: a from_pretrained step calls the
@@ -258,7 +263,12 @@ def test_installed_shim_judges_the_map_with_the_sizes_the_library_computed(case,
 
     import devmap_shims.planning as planning
 
-    meta, mm = (gemma, gpus(8)) if case == "collapsed" else (mistral_bf16, gpus(4, 24))
+    if case == "collapsed":
+        meta, mm = gemma, gpus(8)
+    elif case == "collapsed-untied":
+        meta, mm = stack.build_meta_model(transformers.LlamaConfig(**LLAMA_3_8B), "bfloat16", "4bit"), gpus(8)
+    else:
+        meta, mm = mistral_bf16, gpus(4, 24)
     calls = Counter()
     modules = [(am, "compute_module_sizes"), (am, "find_tied_parameters")]
     if V5:
@@ -289,7 +299,7 @@ def test_installed_shim_judges_the_map_with_the_sizes_the_library_computed(case,
     finally:
         devmap_shims.uninstall()
     assert sum(without.values()) >= 1 and calls == without
-    if case == "collapsed":
+    if case != "healthy":
         assert set(shimmed.values()) == set(range(8)) != set(plain.values())
         assert walks["layout"] == 1
     else:

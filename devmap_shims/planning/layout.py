@@ -17,11 +17,13 @@ co.), so this module imports no torch; :class:`Layout` can also be built from pl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 
-@dataclass(frozen=True)
-class Unit:
+class Unit(NamedTuple):
+    """A block placed whole: its module (or tensor) name and its bytes. A tuple, as a model of
+    62,896 modules makes tens of thousands of them per map."""
+
     name: str
     size: int
 
@@ -156,17 +158,42 @@ def _with_ties(layout: Layout, tied_groups: Iterable[Iterable[str]]) -> Layout:
     return Layout(layout.units, layout.children, followers)
 
 
-def _module_entries(module: Any, prefix: str, root: bool) -> List[Tuple[str, Any]]:
-    entries = list(module.named_parameters(recurse=False)) + list(module.named_children())
-    entries += list(module.named_buffers(recurse=False))
+def _module_entries(module: Any, prefix: str) -> List[Tuple[str, Any]]:
+    """``module``'s own parameters, children and own buffers, in that order, full names; each
+    object once (a second name for the same tensor or module is dropped, as torch's ``named_*``
+    drop it), each name once."""
+    own = _own(module)
     seen = set()
     out = []
-    for name, obj in entries:
-        if name in seen:
-            continue
-        seen.add(name)
-        out.append((f"{prefix}.{name}" if prefix else name, obj))
+    if own is None:  # not a torch module: its named_* methods say what it holds, once each
+        for group in (module.named_parameters(recurse=False), module.named_children(),
+                      module.named_buffers(recurse=False)):
+            for name, obj in group:
+                if name not in seen:
+                    seen.add(name)
+                    out.append((f"{prefix}.{name}" if prefix else name, obj))
+        return out
+    for group in own:
+        objects = set()
+        for name, obj in group:
+            if obj is None or id(obj) in objects or name in seen:
+                continue
+            objects.add(id(obj))
+            seen.add(name)
+            out.append((f"{prefix}.{name}" if prefix else name, obj))
     return out
+
+
+def _own(module: Any) -> Optional[Tuple[Any, Any, Any]]:
+    """The ``_parameters``, ``_modules`` and ``_buffers`` items of a torch module (what its
+    ``named_*(recurse=False)`` iterate, without the generator machinery), or None."""
+    namespace = getattr(module, "__dict__", None)
+    if not namespace:
+        return None
+    params, children, buffers = namespace.get("_parameters"), namespace.get("_modules"), namespace.get("_buffers")
+    if type(params) is not dict or type(children) is not dict or type(buffers) is not dict:
+        return None
+    return params.items(), children.items(), buffers.items()
 
 
 def layout_from_module(
@@ -187,10 +214,13 @@ def layout_from_module(
     units: List[Unit] = []
 
     def is_splittable(obj: Any) -> bool:
-        named_children = getattr(obj, "named_children", None)
-        if named_children is None or type(obj).__name__ in no_split:
+        if type(obj).__name__ in no_split:
             return False
-        return next(iter(named_children()), None) is not None
+        children = getattr(obj, "__dict__", {}).get("_modules")
+        if type(children) is dict:  # a torch module
+            return any(child is not None for child in children.values()) if children else False
+        named_children = getattr(obj, "named_children", None)
+        return named_children is not None and next(iter(named_children()), None) is not None
 
     if not is_splittable(model):
         return Layout([Unit("", int(module_sizes.get("", 0)))])
@@ -200,7 +230,7 @@ def layout_from_module(
     while stack:
         name, obj = stack.pop()
         if name == "" or is_splittable(obj):
-            kids = _module_entries(obj, name, name == "")
+            kids = _module_entries(obj, name)
             children[name] = [k for k, _ in kids]
             stack.extend(reversed(kids))
         else:

@@ -6,7 +6,8 @@ forward from GPU i to GPU j > i). Two questions are answered exactly:
 * :func:`min_max_cap`: the smallest ``T`` such that the items fit with every bin holding at most
   ``min(T, capacity)``. For a fixed ``T`` greedy first-fit decides feasibility optimally
   (filling a bin as far as it goes never hurts the bins after it), so a binary search on ``T``
-  over integers finds the optimum in ``O(n log(total))``.
+  over integers finds the optimum in ``O(n + bins log(n) log(total))`` (prefix sums, and each
+  bin's run found by bisection).
 * :func:`spread`: given that ``T``, a partition that keeps every bin at or under it while
   aiming each bin at an even share of what is left, so GPUs at the end are not left idle when
   a balanced split needs them. A backward greedy pass tells, for every bin, the earliest item
@@ -15,6 +16,7 @@ forward from GPU i to GPU j > i). Two questions are answered exactly:
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from itertools import accumulate
 from typing import List, Optional, Sequence
 
@@ -30,28 +32,34 @@ def fits(sizes: Sequence[int], caps: Sequence[int]) -> bool:
 
 def greedy_prefix(sizes: Sequence[int], caps: Sequence[int]) -> int:
     """How many leading items first-fit places into the bins (the longest placeable prefix)."""
-    b, load, n = 0, 0, len(caps)
-    for i, s in enumerate(sizes):
-        while b < n and load + s > caps[b]:
-            b, load = b + 1, 0
-        if b == n:
-            return i
-        load += s
-    return len(sizes)
+    return _greedy_end(_prefix(sizes), caps)
+
+
+def _greedy_end(prefix: Sequence[int], caps: Sequence[int]) -> int:
+    """:func:`greedy_prefix` from the prefix sums: each bin takes the longest run that fits,
+    found by bisection, so one answer costs O(bins x log items) instead of O(items)."""
+    i, u = 0, len(prefix) - 1
+    for cap in caps:
+        if i == u:
+            break
+        i = max(i, bisect_right(prefix, prefix[i] + cap, i) - 1)
+    return i
 
 
 def min_max_cap(sizes: Sequence[int], caps: Sequence[int]) -> Optional[int]:
     """Smallest per-bin load limit that lets all items fit (None when they never fit)."""
     if not sizes:
         return 0
-    if not caps or not fits(sizes, caps):
+    prefix = _prefix(sizes)
+    u = len(sizes)
+    if not caps or _greedy_end(prefix, caps) != u:
         return None
-    total = sum(sizes)
+    total = prefix[u]
     lo = max(max(sizes), -(-total // len(caps)))
     hi = max(max(caps), lo)
     while lo < hi:
         mid = (lo + hi) // 2
-        if fits(sizes, [min(mid, c) for c in caps]):
+        if _greedy_end(prefix, [min(mid, c) for c in caps]) == u:
             hi = mid
         else:
             lo = mid + 1

@@ -222,8 +222,7 @@ def assess(
     loads = {g: per_device.get(g, 0) for g in gpus}
     max_load = max([per_device.get(d, 0) for d in per_device if d not in ("cpu", "disk")] or [0])
     bound = lower_bound(layout, budgets, low_zero)
-    sequence = [(u, unit_devices[u.name]) for u in layout.placed]
-    offloaded_units = [u for u, d in sequence if d in ("cpu", "disk")]
+    offloaded_units = [u for u in layout.placed if unit_devices[u.name] in ("cpu", "disk")]
     offloaded = sum(u.size for u in offloaded_units)
     problems: List[str] = []
 
@@ -255,9 +254,9 @@ def assess(
 
     skipped: List[int] = []
     first_unit_on: Dict[Any, int] = {}
-    for u, d in sequence:
+    for u in layout.placed:
         if u.size:  # a module without bytes (Dropout, a deduplicated tied weight) opens nothing
-            first_unit_on.setdefault(d, u.size)
+            first_unit_on.setdefault(unit_devices[u.name], u.size)
     for i, g in enumerate(gpus):
         if loads[g] > 0 or (low_zero and g == gpus[0] and len(gpus) > 1):
             continue

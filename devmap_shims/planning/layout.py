@@ -45,11 +45,13 @@ class Layout:
 
     def __post_init__(self) -> None:
         self._index = {u.name: i for i, u in enumerate(self.units)}
-        merged = {u.name: u.size for u in self.units}
-        for follower, anchor in self.followers.items():
-            merged[anchor] += merged.pop(follower)
         #: the sequence that is partitioned: anchors carry their followers' bytes
-        self.placed: List[Unit] = [Unit(u.name, merged[u.name]) for u in self.units if u.name in merged]
+        self.placed: List[Unit] = self.units
+        if self.followers:
+            merged = {u.name: u.size for u in self.units}
+            for follower, anchor in self.followers.items():
+                merged[anchor] += merged.pop(follower)
+            self.placed = [Unit(u.name, merged[u.name]) for u in self.units if u.name in merged]
 
     @property
     def total(self) -> int:
@@ -76,15 +78,24 @@ class Layout:
         """Device of every unit under ``device_map`` (longest matching prefix), or None when the
         map places something finer than a unit (a split no-split block) or misses a unit."""
         out: Dict[str, Any] = {}
+        missing = object()
+        # a module's device, once looked up, serves its other units (256 experts share a layer)
+        found: Dict[str, Any] = {}
+
+        def device_of(name: str) -> Any:
+            device = device_map.get(name, missing)
+            if device is missing and name:
+                parent = name.rpartition(".")[0]
+                device = found.get(parent, missing)
+                if device is missing:
+                    device = found[parent] = device_of(parent)
+            return device
+
         for unit in self.units:
-            name = unit.name
-            while True:
-                if name in device_map:
-                    out[unit.name] = device_map[name]
-                    break
-                if not name:
-                    return None
-                name = name.rpartition(".")[0]
+            device = device_of(unit.name)
+            if device is missing:
+                return None
+            out[unit.name] = device
         for key in device_map:
             probe = key.rpartition(".")[0] if key else ""
             while probe:
@@ -224,16 +235,21 @@ def layout_from_module(
 
     if not is_splittable(model):
         return Layout([Unit("", int(module_sizes.get("", 0)))])
-    stack: List[Tuple[str, Any]] = [("", model)]
-    # iterative pre-order walk; each split module pushes its entries in reverse
-    order: List[Tuple[str, Any]] = []
-    while stack:
-        name, obj = stack.pop()
-        if name == "" or is_splittable(obj):
-            kids = _module_entries(obj, name)
-            children[name] = [k for k, _ in kids]
-            stack.extend(reversed(kids))
-        else:
-            order.append((name, obj))
-    units = [Unit(name, int(round(module_sizes.get(name, 0)))) for name, _ in order]
+    names: List[str] = []
+    add = names.append
+
+    def visit(name: str, obj: Any) -> None:  # pre-order; depth is the module tree's (a handful)
+        kids = _module_entries(obj, name)
+        children[name] = [k for k, _ in kids]
+        for kid, sub in kids:
+            if is_splittable(sub):
+                visit(kid, sub)
+            else:
+                add(kid)
+
+    visit("", model)
+    get = module_sizes.get
+    for name in names:
+        size = get(name, 0)
+        units.append(Unit(name, size if type(size) is int else int(round(size))))
     return _with_ties(Layout(units, children), tied_groups)

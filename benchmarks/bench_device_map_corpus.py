@@ -19,8 +19,9 @@ Scale rows: a DeepSeek-V3-shaped model (61 layers, all of them mixture-of-expert
 experts (one module with gate / up / down ``nn.Linear`` per expert, as transformers 4.x builds
 them; transformers 5 fuses each layer's experts into one module of 3-D parameters, so there the
 fused module is replaced by transformers' own ``DeepseekV3MLP`` per expert), 8 to 256 experts per
-layer, with whole decoder layers unsplittable and with nothing unsplittable above a Linear: the
-time the shim adds against the module count. Target: under 0.3 s at 256 experts.
+layer, 4-bit on 8x80 GiB, its blocks whole decoder layers (the model's ``_no_split_modules``) and
+then every Linear (nothing unsplittable above a leaf module): the time the shim adds against the
+module count. Target: under 0.3 s at 256 experts.
 
     python benchmarks/bench_device_map_corpus.py [--rounds 9] [--models llama-3.1-8b,deepseek-v3]
         [--quantizations none,4bit] [--topologies 8x23,8x80] [--quick] [--json]
@@ -61,7 +62,7 @@ SCALE_SIZES = (8, 32, 128, 256)
 SCALE_LAYERS = 61
 SCALE_QUANTIZATION = "4bit"
 SCALE_TOPOLOGY = (8, 80)
-SCALE_VARIANTS = ("decoder layers", "every Linear")
+SCALE_VARIANTS = ("decoder layers", "Linears")
 
 REQUIRED_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "tie_word_embeddings")
@@ -246,6 +247,7 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     return {
         "cases": len(rows),
         "models": len({row["model"] for row in rows}),
+        "quantizations": len({row["quantization"] for row in rows}),
         "topologies": len({(row["gpus"], row["gpu_gib"]) for row in rows}),
         "rounds": len(every_round),
         "median_ratio": median,
@@ -328,7 +330,7 @@ def scale_rows(
             lib, shim = statistics.median(lib_t), statistics.median(shim_t)
             row = {
                 "experts": experts, "layers": SCALE_LAYERS, "modules": modules, "linear_modules": linears,
-                "unsplittable": variant, "quantization": SCALE_QUANTIZATION,
+                "blocks": variant, "quantization": SCALE_QUANTIZATION,
                 "topology": topology_label(gpus, gib),
                 "build_s": built, "library_s": lib, "shim_s": shim, "added_s": shim - lib,
                 "ratio": statistics.median(s / p for s, p in zip(shim_t, lib_t)),
@@ -390,13 +392,14 @@ def summary_lines(s: Dict[str, Any], rounds: int) -> List[str]:
         return ["no corpus case ran"]
     yes = {True: "met", False: "NOT met"}
     return [
-        f"{s['cases']} cases ({s['models']} models x quantizations x {s['topologies']} topologies), "
+        f"{s['cases']} cases ({s['models']} models x {s['quantizations']} quantizations x "
+        f"{s['topologies']} topologies), "
         f"{rounds} interleaved rounds each",
         f"median ratio {s['median_ratio']:.3f}x "
-        f"(target <= {TARGET_MEDIAN:.2f}x: {yes[s['target_median_met']]}); "
-        f"90th percentile of all {s['rounds']} rounds {s['p90_round_ratio']:.3f}x "
-        f"(target <= {TARGET_P90:.2f}x: {yes[s['target_p90_met']]}); worst case {s['worst_case']} "
+        f"(target <= {TARGET_MEDIAN:.2f}x: {yes[s['target_median_met']]}); worst case {s['worst_case']} "
         f"{s['worst_ratio']:.2f}x",
+        f"90th percentile of all {s['rounds']} rounds {s['p90_round_ratio']:.3f}x "
+        f"(target <= {TARGET_P90:.2f}x: {yes[s['target_p90_met']]})",
         f"repaired by the shim: {s['repaired']} of {s['cases']}; at the exact optimum: "
         f"{s['repaired_at_optimum']} of {s['repaired_judged']}"
         + (f" ({s['repaired'] - s['repaired_judged']} offload: no GPU-only optimum)"
@@ -406,10 +409,10 @@ def summary_lines(s: Dict[str, Any], rounds: int) -> List[str]:
 
 
 def scale_table(rows: Sequence[Dict[str, Any]]) -> List[str]:
-    header = ["experts", "modules", "Linear", "unsplittable", "build s", "lib s", "shim s", "added s",
+    header = ["experts", "modules", "Linear", "blocks", "build s", "lib s", "shim s", "added s",
               "ratio", "repaired"]
     cells = [[
-        str(row["experts"]), f"{row['modules']:,}", f"{row['linear_modules']:,}", row["unsplittable"],
+        str(row["experts"]), f"{row['modules']:,}", f"{row['linear_modules']:,}", row["blocks"],
         f"{row['build_s']:.1f}", f"{row['library_s']:.3f}", f"{row['shim_s']:.3f}", f"{row['added_s']:+.3f}",
         f"{row['ratio']:.2f}", _fmt(row["repaired"]),
     ] for row in rows]
@@ -424,8 +427,10 @@ def scale_summary(rows: Sequence[Dict[str, Any]]) -> List[str]:
     for row in rows:
         if row["experts"] == largest:
             met = "met" if row["added_s"] < TARGET_SCALE_ADDED_S else "NOT met"
-            out.append(f"{row['modules']:,} modules, {row['unsplittable']} unsplittable: the shim adds "
-                       f"{row['added_s']:.3f} s (target < {TARGET_SCALE_ADDED_S} s: {met})")
+            target = (f"target < {TARGET_SCALE_ADDED_S} s: {met}" if largest == 256
+                      else "the target applies at 256 experts")
+            out.append(f"{row['modules']:,} modules, blocks = {row['blocks']}: the shim adds "
+                       f"{row['added_s']:.3f} s ({target})")
     return out
 
 
@@ -481,6 +486,10 @@ def run(rounds: int = 9, scale_rounds: int = 3) -> List[Dict[str, Any]]:
     """Rows for benchmarks/run_all.py: the summary's targets, then one row per scale size."""
     result = measure(load_fixtures(), QUANTIZATIONS, TOPOLOGIES, rounds, SCALE_SIZES, scale_rounds)
     print(report(result))
+    return summary_rows(result)
+
+
+def summary_rows(result: Dict[str, Any]) -> List[Dict[str, Any]]:
     s = result["summary"]
     rows: List[Dict[str, Any]] = []
     if s.get("cases"):
@@ -497,7 +506,7 @@ def run(rounds: int = 9, scale_rounds: int = 3) -> List[Dict[str, Any]]:
     for row in result["scale"]:
         judged = row["experts"] == 256
         rows.append({"benchmark": f"unfused MoE {row['layers']}x{row['experts']} experts "
-                                  f"({row['modules']:,} modules, {row['unsplittable']} unsplittable): "
+                                  f"({row['modules']:,} modules, blocks = {row['blocks']}): "
                                   "time the shim adds",
                      "value": round(row["added_s"], 3), "unit": "s", "baseline": round(row["library_s"], 3),
                      "ratio": row["ratio"], "target": f"< {TARGET_SCALE_ADDED_S} s" if judged else "reported",

@@ -132,11 +132,11 @@ def topology_label(gpus: int, gib: float) -> str:
 
 
 def parse_topology(text: str) -> Tuple[int, float]:
-    gpus, _, gib = text.lower().removesuffix("gib").partition("x")
+    gpus, _, gib = text.strip().lower().removesuffix("gib").partition("x")
     try:
         return int(gpus), float(gib)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"topology {text!r}: write GPUsxGiB, e.g. 8x80") from None
+        raise ValueError(f"topology {text!r}: write GPUSxGIB, e.g. 8x80") from None
 
 
 # -- timing ----------------------------------------------------------------------------------------
@@ -307,6 +307,12 @@ def scale_rows(
     rows: List[Dict[str, Any]] = []
     how = ""
     gpus, gib = SCALE_TOPOLOGY
+    try:  # imports out of the first build's time
+        import bitsandbytes  # noqa: F401
+        import transformers.models.deepseek_v3.modeling_deepseek_v3  # noqa: F401
+        from transformers import AutoModelForCausalLM  # noqa: F401
+    except ImportError:
+        pass
     mm = max_memory(gpus, gib)
     for experts in sizes:
         start = time.perf_counter()
@@ -536,7 +542,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.quick:
         rounds, quants, topologies, sizes = 3, ["4bit"], [(8, 23), (8, 80)], [8, 32]
     if args.topologies:
-        topologies = [parse_topology(t) for t in args.topologies.split(",")]
+        try:
+            topologies = [parse_topology(t) for t in args.topologies.split(",")]
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.scale_sizes:
         sizes = [int(n) for n in args.scale_sizes.split(",")]
     if args.no_scale:

@@ -43,7 +43,8 @@ def sweep_module(module: Any) -> int:
 
     The sweep runs after every move of a pipeline whose transformer has hundreds of 4-bit layers,
     so the walk does the least per module: ``_modules`` / ``_parameters`` are read directly
-    instead of ``named_modules()``; a parameter is looked at only if its ``__dict__`` holds a
+    instead of ``named_modules()``, in the same order (the order the move allocated the tensors
+    in, which on a large tree is friendlier to the CPU's caches than the reverse); a parameter is looked at only if its ``__dict__`` holds a
     ``quant_state``; each tensor's ``.device`` is read once and compared with ``torch.device``
     objects, never through ``device.type`` (a new string per read); and the whole walk runs with
     tensor subclasses' ``__torch_function__`` off, so reading the ``.device`` of a ``Params4bit``
@@ -62,8 +63,8 @@ def sweep_module(module: Any) -> int:
                 continue
             seen.add(key)
             children = sub._modules
-            if children:
-                stack.extend(children.values())
+            if children:  # reversed onto the stack: visited in module order, as they were allocated
+                stack.extend(reversed(children.values()))
             params = sub._parameters
             if not params:
                 continue

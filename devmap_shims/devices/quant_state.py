@@ -75,17 +75,61 @@ def align_state(state: Any, device: Any, _depth: int = 0) -> int:
 
 
 def align_known_state(state: Any, device: Any) -> int:
-    """:func:`align_state` for :data:`KNOWN_LAYOUT`, by direct attribute access: about half the
-    cost of the generic walk, which matters when a sweep visits every 4-bit layer of a model."""
+    """:func:`align_state` for :data:`KNOWN_LAYOUT`: ``device`` is a ``torch.device``; returns how
+    many tensors moved.
+
+    This runs for every 4-bit layer of a model at every sweep, so the layout is spelled out: each
+    tensor is read from the state's ``__dict__`` (where every ``QuantState`` keeps them) and its
+    ``.device`` read once, with no loop, ``getattr`` or per-call tuple. A state without a
+    ``__dict__`` is read with ``getattr``.
+    """
+    namespace = getattr(state, "__dict__", None)
+    if namespace is None:
+        return _align_known_by_getattr(state, device)
     moved = 0
-    outer, inner = KNOWN_LAYOUT
-    for owner, names in ((state, outer), (getattr(state, "state2", None), inner)):
+    value = namespace.get("absmax")
+    if value is not None and value.device != device:
+        state.absmax = value.to(device)
+        moved += 1
+    value = namespace.get("code")
+    if value is not None and value.device != device:
+        state.code = value.to(device)
+        moved += 1
+    value = namespace.get("offset")
+    if value is not None and value.device != device:
+        state.offset = value.to(device)
+        moved += 1
+    nested = namespace.get("state2")
+    if nested is None:
+        return moved
+    namespace = getattr(nested, "__dict__", None)
+    if namespace is None:
+        return moved + _align_known_by_getattr(nested, device, KNOWN_LAYOUT[1])
+    value = namespace.get("absmax")
+    if value is not None and value.device != device:
+        nested.absmax = value.to(device)
+        moved += 1
+    value = namespace.get("code")
+    if value is not None and value.device != device:
+        nested.code = value.to(device)
+        moved += 1
+    return moved
+
+
+def _align_known_by_getattr(state: Any, device: Any, names: Any = None) -> int:
+    """:func:`align_known_state` through ``getattr`` (``names`` given: that one owner's only)."""
+    if names is None:
+        outer, inner = KNOWN_LAYOUT
+        owners = ((state, outer), (getattr(state, "state2", None), inner))
+    else:
+        owners = ((state, names),)
+    moved = 0
+    for owner, attrs in owners:
         if owner is None:
             continue
-        for attr in names:
+        for attr in attrs:
             value = getattr(owner, attr, None)
             if value is not None and value.device != device:
                 setattr(owner, attr, value.to(device))
                 moved += 1
     return moved
-

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Optional, Tuple
 
 from devmap_shims.devices.quant_state import align_known_state
+from devmap_shims.devices.tensors import device_type
 from devmap_shims.scenarios import BugObserved, scenario
 from devmap_shims.shims import LazyLogger, Shim, Target, with_context
 
@@ -38,46 +39,66 @@ def sweep_module(module: Any) -> int:
     """Move every quant-state tensor of ``module`` onto its parameter's device; returns how many moved.
 
     Parameters on ``meta`` are skipped (their data lives elsewhere, e.g. offloaded by accelerate).
-    The walk reads ``_modules`` / ``_parameters`` directly instead of ``named_modules()``, and
-    checks the QuantState layout of the affected bitsandbytes releases: the sweep runs after every
-    move of a pipeline whose transformer has hundreds of 4-bit layers.
+    A module-level ``quant_state`` that is not the weight's own follows the weight.
+
+    The sweep runs after every move of a pipeline whose transformer has hundreds of 4-bit layers,
+    so the walk does the least per module: ``_modules`` / ``_parameters`` are read directly
+    instead of ``named_modules()``, in the same order (the order the move allocated the tensors
+    in, which on a large tree is friendlier to the CPU's caches than the reverse); a parameter is looked at only if its ``__dict__`` holds a
+    ``quant_state``; each tensor's ``.device`` is read once and compared with ``torch.device``
+    objects, never through ``device.type`` (a new string per read); and the whole walk runs with
+    tensor subclasses' ``__torch_function__`` off, so reading the ``.device`` of a ``Params4bit``
+    (bitsandbytes >= 0.46 overrides ``__torch_function__``) costs what it costs on a plain tensor
+    rather than a Python dispatch. Torch function modes stay on.
     """
+    meta = device_type()("meta")  # a tensor on meta reports exactly this device
     moved = 0
     stack = [module]
     seen = set()
-    while stack:
-        sub = stack.pop()
-        if id(sub) in seen:
-            continue
-        seen.add(id(sub))
-        children = sub._modules
-        if children:
-            stack.extend(child for child in children.values() if child is not None)
-        params = sub._parameters
-        if not params:
-            continue
-        weight_state = weight_device = None
-        for name, param in params.items():
-            if param is None:
+    with _subclass_dispatch_off():
+        while stack:
+            sub = stack.pop()
+            key = id(sub)
+            if key in seen or sub is None:
                 continue
-            namespace = getattr(param, "__dict__", None)
-            state = namespace.get("quant_state") if namespace else None
-            if state is None:
+            seen.add(key)
+            children = sub._modules
+            if children:  # reversed onto the stack: visited in module order, as they were allocated
+                stack.extend(reversed(children.values()))
+            params = sub._parameters
+            if not params:
                 continue
-            device = param.device
-            if name == "weight":
-                weight_state, weight_device = state, device
-            if device.type != "meta":
+            weight_state = weight_device = None
+            for name, param in params.items():
+                if param is None:
+                    continue
+                namespace = getattr(param, "__dict__", None)
+                state = namespace.get("quant_state") if namespace else None
+                if state is None:
+                    continue
+                device = param.device
+                if device == meta:
+                    continue
+                if name == "weight":
+                    weight_state, weight_device = state, device
                 moved += align_known_state(state, device)
-        module_state = sub.__dict__.get("quant_state")
-        if (
-            module_state is not None
-            and module_state is not weight_state
-            and weight_device is not None
-            and weight_device.type != "meta"
-        ):
-            moved += align_known_state(module_state, weight_device)
+            if weight_device is not None:
+                module_state = sub.__dict__.get("quant_state")
+                if module_state is not None and module_state is not weight_state:
+                    moved += align_known_state(module_state, weight_device)
     return moved
+
+
+def _subclass_dispatch_off() -> Any:
+    """``torch._C.DisableTorchFunctionSubclass()`` (torch >= 2.0), else a context that does nothing."""
+    import torch
+
+    context = getattr(torch._C, "DisableTorchFunctionSubclass", None)
+    if context is None:  # pragma: no cover - torch < 2.0
+        import contextlib
+
+        return contextlib.nullcontext()
+    return context()
 
 
 def sweep_pipeline(pipeline: Any) -> Tuple[int, int]:

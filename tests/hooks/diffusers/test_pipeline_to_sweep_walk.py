@@ -1,0 +1,166 @@
+"""The pipeline-to-sweep walk (``sweep_module``) and ``align_known_state`` on real bitsandbytes
+``Linear4bit`` layers on simulated GPUs: every quant-state tensor that is off its weight's device
+is moved there, and only those.
+
+The layers are built with bitsandbytes' own ``Params4bit.from_prequantized`` on ``cuda:1``; a test
+then puts chosen tensors of the state on ``cuda:0``, the way a load on the current device or a
+``QuantState.to`` that skips ``code`` leaves them.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+bnb = pytest.importorskip("bitsandbytes")  # imported before any simulation starts (it probes CUDA)
+
+from devmap_shims.devices.quant_state import align_known_state, state_tensors  # noqa: E402
+from devmap_shims.hooks.diffusers import pipeline_to_sweep as hook  # noqa: E402
+from devmap_shims.testing import simulated_gpus  # noqa: E402
+from devmap_shims.testing.nf4 import linear4bit  # noqa: E402
+
+if torch.version.cuda is None:  # pragma: no cover - the simulator needs a CUDA build of torch
+    pytest.skip("the GPU simulator needs a CUDA build of torch", allow_module_level=True)
+
+NESTED = ("absmax", "code", "offset", "state2.absmax", "state2.code")
+PLAIN = ("absmax", "code")
+
+
+def make_layer(nested=True, seed=0):
+    torch.manual_seed(seed)
+    return linear4bit(torch.nn.Linear(64, 32), "cuda:1", compress_statistics=nested)
+
+
+def tensors(state):
+    return {name: tensor for _owner, _attr, name, tensor in state_tensors(state)}
+
+
+def stray(state, names, device="cuda:0"):
+    """Put the named tensors of ``state`` (``"state2.code"`` ...) on ``device``."""
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        target = getattr(state, owner) if owner else state
+        setattr(target, attr, getattr(target, attr).to(device))
+
+
+def devices(state):
+    return {name: str(t.device) for name, t in tensors(state).items()}
+
+
+def values(state):
+    return {name: t.cpu().clone() for name, t in tensors(state).items()}
+
+
+def test_every_subset_of_stray_tensors_is_moved_and_nothing_else():
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        for nested, names in ((True, NESTED), (False, PLAIN)):
+            for count in range(len(names) + 1):
+                for strays in itertools.combinations(names, count):
+                    layer = make_layer(nested)
+                    state = layer.weight.quant_state
+                    assert set(tensors(state)) == set(names)
+                    before = values(state)
+                    stray(state, strays)
+                    kept = {name: t for name, t in tensors(state).items() if name not in strays}
+                    assert hook.sweep_module(layer) == len(strays), strays
+                    assert set(devices(state).values()) == {"cuda:1"}, strays
+                    after = tensors(state)
+                    assert all(after[name] is t for name, t in kept.items()), strays  # in place: untouched
+                    assert all(torch.equal(after[name].cpu(), before[name]) for name in names), strays
+                    assert hook.sweep_module(layer) == 0
+
+
+def test_align_known_state_compares_with_the_given_device():
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        state = make_layer().weight.quant_state
+        assert align_known_state(state, torch.device("cuda", 1)) == 0
+        assert align_known_state(state, torch.device("cuda", 0)) == len(NESTED)
+        assert set(devices(state).values()) == {"cuda:0"}
+
+
+def test_a_module_quant_state_of_its_own_follows_the_weight():
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+        assert layer.quant_state is layer.weight.quant_state  # as bitsandbytes links them
+        stray(layer.weight.quant_state, ["code"])
+        assert hook.sweep_module(layer) == 1  # the shared state counts once
+        layer.quant_state = copy.deepcopy(layer.weight.quant_state)
+        stray(layer.quant_state, NESTED)
+        assert hook.sweep_module(layer) == len(NESTED)
+        assert set(devices(layer.quant_state).values()) == {"cuda:1"}
+        assert set(devices(layer.weight.quant_state).values()) == {"cuda:1"}
+
+
+def test_parameters_on_meta_are_skipped_with_their_module_state():
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+        state = layer.weight.quant_state
+        stray(state, NESTED)
+        data = torch.empty(layer.weight.shape, dtype=torch.uint8, device="meta")
+        meta = torch.nn.Parameter(data, requires_grad=False)
+        meta.quant_state = state
+        layer.weight = meta
+        layer.quant_state = copy.deepcopy(state)
+        before = devices(state)
+        assert hook.sweep_module(layer) == 0
+        assert devices(state) == before == devices(layer.quant_state) == {name: "cuda:0" for name in NESTED}
+
+
+def test_any_parameter_carrying_a_quant_state_is_aligned_to_its_own_device():
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+        extra = make_layer(seed=1).weight.quant_state
+        other = torch.nn.Parameter(torch.zeros(4, device="cuda:0"), requires_grad=False)
+        other.quant_state = extra
+        layer.register_parameter("other", other)
+        assert hook.sweep_module(layer) == len(NESTED)
+        assert set(devices(extra).values()) == {"cuda:0"}
+        assert set(devices(layer.weight.quant_state).values()) == {"cuda:1"}
+
+
+def test_shared_modules_are_swept_once_and_empty_slots_are_passed_over():
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+        stray(layer.weight.quant_state, ["code"])
+        root = torch.nn.Module()
+        root.first = torch.nn.Sequential(layer, torch.nn.ReLU())
+        root.again = layer
+        root.register_module("absent", None)
+        root.register_parameter("unset", None)
+        root.plain = torch.nn.Linear(4, 4, device="cuda:0")
+        assert hook.sweep_module(root) == 1
+        assert str(root.plain.weight.device) == "cuda:0"
+
+
+def test_a_quant_state_of_another_layout_is_left_alone():
+    """bitsandbytes < 0.41 kept the state as a list: the sweep does not fail on it or change it."""
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+        absmax = torch.ones(4, device="cuda:0")
+        listed = [absmax, torch.Size([32, 64]), torch.float32, 64, None, "nf4"]
+        layer.weight.quant_state = listed
+        layer.quant_state = listed
+        assert hook.sweep_module(layer) == 0
+        assert listed[0] is absmax and str(absmax.device) == "cuda:0"
+
+
+def test_tensor_subclass_dispatch_is_back_on_after_the_sweep():
+    calls = []
+
+    class Counting(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+        stray(layer.weight.quant_state, ["code"])
+        assert hook.sweep_module(layer) == 1
+    counted = torch.zeros(2).as_subclass(Counting)
+    calls.clear()
+    torch.add(counted, 1)
+    assert torch.add in calls

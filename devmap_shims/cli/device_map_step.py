@@ -283,7 +283,10 @@ def _step_v5(meta: MetaModel, strategy: str, max_memory: Optional[dict], shim: b
             return fn(meta.model, strategy, max_memory, meta.quantizer)
     context = _context()
     fn = _through(hook.repair_get_device_map, fn, context)
-    with no_environment_check(meta.quantizer), _seen_by(context, tia, "compute_module_sizes", hook.remember_module_sizes):
+    with contextlib.ExitStack() as seen:
+        seen.enter_context(no_environment_check(meta.quantizer))
+        if hasattr(tia, "_init_infer_auto_device_map"):
+            seen.enter_context(_seen_by(context, tia, "_init_infer_auto_device_map", hook.remember_map_inputs))
         return fn(meta.model, strategy, max_memory, meta.quantizer)
 
 
@@ -327,8 +330,11 @@ def _step_v4(meta: MetaModel, strategy: str, max_memory: Optional[dict], shim: b
         context = _context()
         get_balanced_memory = _through(hook.remember_balanced_memory, get_balanced_memory, context)
         infer_auto_device_map = _through(hook.repair_infer_auto_device_map, infer_auto_device_map, context)
-        seen.enter_context(_seen_by(context, am, "compute_module_sizes", hook.remember_module_sizes))
-        seen.enter_context(_seen_by(context, am, "find_tied_parameters", hook.remember_tied_parameters))
+        if hasattr(am, "_init_infer_auto_device_map"):  # accelerate >= 1.2
+            seen.enter_context(_seen_by(context, am, "_init_infer_auto_device_map", hook.remember_map_inputs))
+        else:
+            seen.enter_context(_seen_by(context, am, "compute_module_sizes", hook.remember_module_sizes))
+            seen.enter_context(_seen_by(context, am, "find_tied_parameters", hook.remember_tied_parameters))
     special_dtypes: Dict[str, Any] = {}
     if quantizer is not None:
         special_dtypes.update(quantizer.get_special_dtypes_update(model, dt))

@@ -97,14 +97,31 @@ class PendingCalls:
 
 @with_context
 def remember_module_sizes(context: Any, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Call the library's ``compute_module_sizes`` unchanged; inside a map call this shim judges,
-    keep its result (read only, never changed) for the judging."""
+    """Call accelerate's ``compute_module_sizes`` (before 1.2) unchanged; inside a map call this
+    shim judges, keep its result (read only, never changed) for the judging."""
     result = wrapped(*args, **kwargs)
     seen = context.state.seen
     if seen.model is not None and not kwargs.get("buffers_only"):  # the buffers, once per module
         arguments = bind(wrapped, args, kwargs)
         if arguments.get("model") is seen.model and not arguments.get("buffers_only"):
             seen.sizes.append((arguments, result))
+    return result
+
+
+@with_context
+def remember_map_inputs(context: Any, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Call the library's ``_init_infer_auto_device_map`` (accelerate >= 1.2, transformers >= 5)
+    unchanged; inside a map call this shim judges, keep the module sizes and tied groups it
+    returns. One call per map, where wrapping ``compute_module_sizes`` would also see the call
+    the placer makes for every module's buffers."""
+    result = wrapped(*args, **kwargs)
+    seen = context.state.seen
+    if seen.model is not None and type(result) is tuple and len(result) == 8 \
+            and isinstance(result[4], dict) and isinstance(result[5], list):
+        arguments = bind(wrapped, args, kwargs)
+        if arguments.get("model") is seen.model:
+            seen.sizes.append((arguments, result[4]))
+            seen.tied = result[5]
     return result
 
 
@@ -251,8 +268,7 @@ def repair_get_device_map(context: Any, wrapped: Callable[..., Any], instance: A
         budgets = tia.get_max_memory(user_copy)
         if quantizer is not None:
             budgets = quantizer.adjust_max_memory(budgets)
-        found = seen.sizes_for(model=model, hf_quantizer=quantizer, only_modules=False)
-        sizes = found[0] if found is not None else None
+        sizes = seen.sizes_for(model=model, hf_quantizer=quantizer)
         return maybe_repair(
             lambda: transformers_layout(model, quantizer, sizes), result, budgets, strategy == "balanced_low_0",
             True, sizes,
@@ -320,13 +336,22 @@ SHIM = Shim(
         ),
         Target(
             "accelerate.utils.modeling",
+            "_init_infer_auto_device_map",
+            when={"accelerate": ">=1.2.0"},
+            expect_params=("model", "max_memory", "no_split_module_classes", "dtype", "special_dtypes"),
+            wrapper=remember_map_inputs,
+        ),
+        Target(
+            "accelerate.utils.modeling",
             "compute_module_sizes",
+            when={"accelerate": "<1.2.0"},
             expect_params=("model", "dtype", "special_dtypes"),
             wrapper=remember_module_sizes,
         ),
         Target(
             "accelerate.utils.modeling",
             "find_tied_parameters",
+            when={"accelerate": "<1.2.0"},
             expect_params=("model",),
             wrapper=remember_tied_parameters,
         ),
@@ -339,10 +364,10 @@ SHIM = Shim(
         ),
         Target(
             "transformers.integrations.accelerate",
-            "compute_module_sizes",
+            "_init_infer_auto_device_map",
             when={"transformers": ">=5"},
-            expect_params=("model", "hf_quantizer", "only_modules"),
-            wrapper=remember_module_sizes,
+            expect_params=("model", "max_memory", "no_split_module_classes", "tied_parameters", "hf_quantizer"),
+            wrapper=remember_map_inputs,
         ),
     ),
     state=PendingCalls,

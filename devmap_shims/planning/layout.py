@@ -52,15 +52,17 @@ class Layout:
             for follower, anchor in self.followers.items():
                 merged[anchor] += merged.pop(follower)
             self.placed = [Unit(u.name, merged[u.name]) for u in self.units if u.name in merged]
+        self._total = sum(u.size for u in self.units)
+        self._largest = max((u.size for u in self.placed), default=0)
 
     @property
     def total(self) -> int:
-        return sum(u.size for u in self.units)
+        return self._total
 
     @property
     def largest(self) -> int:
         """Largest unsplittable block, tied partners included (a lower bound on any GPU's load)."""
-        return max((u.size for u in self.placed), default=0)
+        return self._largest
 
     def unit_of(self, tensor_or_module: str) -> Optional[str]:
         """The unit holding a parameter / module name (itself, or its nearest enclosing unit)."""
@@ -122,10 +124,14 @@ class Layout:
             entries: List[Tuple[str, Any]] = []
             for kid in kids:
                 entries.extend(walk(kid))
-            devices = {repr(d) for _, d in entries}
-            if len(devices) == 1 and entries:
-                return [(name, entries[0][1])]
-            return entries
+            if not entries:
+                return entries
+            first = entries[0][1]
+            kind = type(first)
+            for _, device in entries:
+                if type(device) is not kind or device != first:  # 0 and False, 1 and "1" differ
+                    return entries
+            return [(name, first)]
 
         return dict(walk(""))
 

@@ -14,6 +14,12 @@ Where each stack computes the map, and so where the shim hooks:
   ``_get_device_map`` receives the user's ``max_memory``, the strategy and the quantizer, so one
   hook there sees everything.
 
+The map is judged with the module sizes and tied groups the library computed for it, read while
+its map call runs on that thread: from ``_init_infer_auto_device_map`` (accelerate >= 1.2,
+transformers >= 5; once per map), or from ``compute_module_sizes`` and ``find_tied_parameters``
+(older accelerate). A map that plainly meets every rule is kept from those sizes alone
+(:func:`devmap_shims.planning.plainly_healthy`); only other maps have the model's layout walked.
+
 The placement arithmetic is :mod:`devmap_shims.planning`. Healthy maps, ``sequential`` maps and
 explicit dict maps are returned unchanged (the very same object).
 

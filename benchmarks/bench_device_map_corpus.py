@@ -331,8 +331,8 @@ def scale_rows(
             # no warm-up round here: the corpus (or the build) has imported everything, and a
             # 256-expert step takes seconds
             lib_t, shim_t, plain_map, shim_map = interleaved(
-                lambda: stack.device_map_step(meta, STRATEGY, mm, shim=False),
-                lambda: stack.device_map_step(meta, STRATEGY, mm, shim=True), rounds)
+                lambda meta=meta: stack.device_map_step(meta, STRATEGY, mm, shim=False),
+                lambda meta=meta: stack.device_map_step(meta, STRATEGY, mm, shim=True), rounds)
             lib, shim = statistics.median(lib_t), statistics.median(shim_t)
             row = {
                 "experts": experts, "layers": SCALE_LAYERS, "modules": modules, "linear_modules": linears,

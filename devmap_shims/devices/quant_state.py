@@ -9,7 +9,7 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
-    from typing import Any, Iterator, Tuple
+    from typing import Any, Dict, Iterator, Tuple
 
 from devmap_shims.devices.tensors import device_type, tensor_type
 
@@ -20,6 +20,7 @@ _MAX_DEPTH = 3
 #: The tensors of a QuantState in the releases the quant-state rows apply to (0.41.2-0.46.0):
 #: the outer state's, then the nested ``state2``'s.
 KNOWN_LAYOUT = (("absmax", "code", "offset"), ("absmax", "code"))
+_OUTER, _INNER = KNOWN_LAYOUT
 
 
 def _looks_like_quant_state(value: Any) -> bool:
@@ -80,39 +81,29 @@ def align_known_state(state: Any, device: Any) -> int:
 
     This runs for every 4-bit layer of a model at every sweep, so the layout is spelled out: each
     tensor is read from the state's ``__dict__`` (where every ``QuantState`` keeps them) and its
-    ``.device`` read once, with no loop, ``getattr`` or per-call tuple. A state without a
-    ``__dict__`` is read with ``getattr``.
+    ``.device`` read once, with no ``getattr`` or per-call tuple. A state without a ``__dict__`` is
+    read with ``getattr``.
     """
     namespace = getattr(state, "__dict__", None)
     if namespace is None:
         return _align_known_by_getattr(state, device)
-    moved = 0
-    value = namespace.get("absmax")
-    if value is not None and value.device != device:
-        state.absmax = value.to(device)
-        moved += 1
-    value = namespace.get("code")
-    if value is not None and value.device != device:
-        state.code = value.to(device)
-        moved += 1
-    value = namespace.get("offset")
-    if value is not None and value.device != device:
-        state.offset = value.to(device)
-        moved += 1
+    moved = _align_entries(state, namespace, _OUTER, device)
     nested = namespace.get("state2")
     if nested is None:
         return moved
     namespace = getattr(nested, "__dict__", None)
     if namespace is None:
         return moved + _align_known_by_getattr(nested, device, KNOWN_LAYOUT[1])
-    value = namespace.get("absmax")
-    if value is not None and value.device != device:
-        nested.absmax = value.to(device)
-        moved += 1
-    value = namespace.get("code")
-    if value is not None and value.device != device:
-        nested.code = value.to(device)
-        moved += 1
+    return moved + _align_entries(nested, namespace, _INNER, device)
+
+
+def _align_entries(owner: Any, namespace: Dict[str, Any], names: Tuple[str, ...], device: Any) -> int:
+    moved = 0
+    for attr in names:
+        value = namespace.get(attr)
+        if value is not None and value.device != device:
+            setattr(owner, attr, value.to(device))
+            moved += 1
     return moved
 
 

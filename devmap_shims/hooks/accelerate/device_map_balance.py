@@ -15,9 +15,8 @@ Where each stack computes the map, and so where the shim hooks:
   hook there sees everything.
 
 The map is judged with the module sizes and tied groups the library computed for it, read while
-its map call runs on that thread: from ``_init_infer_auto_device_map`` (accelerate >= 1.2,
-transformers >= 5; once per map), or from ``compute_module_sizes`` and ``find_tied_parameters``
-(older accelerate). A map that plainly meets every rule is kept from those sizes alone
+its map call runs on that thread (:mod:`devmap_shims.hooks.accelerate._map_inputs`). A map that
+plainly meets every rule is kept from those sizes alone
 (:func:`devmap_shims.planning.plainly_healthy`); only other maps have the model's layout walked.
 
 The placement arithmetic is :mod:`devmap_shims.planning`. Healthy maps, ``sequential`` maps and
@@ -40,6 +39,12 @@ if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Mapping, Optional
 
 from devmap_shims.calls import bind
+from devmap_shims.hooks.accelerate._map_inputs import (
+    SeenInputs,
+    remember_map_inputs,
+    remember_module_sizes,
+    remember_tied_parameters,
+)
 from devmap_shims.scenarios import BugObserved, scenario
 from devmap_shims.shims import LazyLogger, Shim, Target, with_context
 
@@ -58,39 +63,6 @@ class _BalancedCall:
         self.balanced = balanced
 
 
-class _Seen(threading.local):
-    """Per thread, while the library computes a map this shim judges: what it computed on the way
-    (its ``compute_module_sizes`` and ``find_tied_parameters`` results), so the shim judges the map
-    with the library's own numbers instead of computing them a second time."""
-
-    model: Any = None
-    sizes: Any = ()
-    tied: Any = None
-
-    def start(self, model: Any) -> None:
-        self.model, self.sizes, self.tied = model, [], None
-
-    def stop(self) -> None:
-        self.model, self.sizes, self.tied = None, (), None
-
-    def sizes_for(self, **expected: Any) -> Any:
-        """The sizes the library computed with these arguments (compared by identity or
-        equality), or None when it computed none such."""
-        for arguments, result in self.sizes:
-            if all(_same(arguments.get(k), v) for k, v in expected.items()):
-                return result
-        return None
-
-
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        return bool(a == b)
-    except Exception:  # tensors and such: only identity counts
-        return False
-
-
 class PendingCalls:
     """The shim's state: per model, the ``get_balanced_memory`` call whose map is computed next,
     and per thread what the library computed during the map call in progress."""
@@ -98,48 +70,7 @@ class PendingCalls:
     def __init__(self) -> None:
         self.calls: "weakref.WeakKeyDictionary[Any, _BalancedCall]" = weakref.WeakKeyDictionary()
         self.lock = threading.Lock()
-        self.seen = _Seen()
-
-
-@with_context
-def remember_module_sizes(context: Any, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Call accelerate's ``compute_module_sizes`` (before 1.2) unchanged; inside a map call this
-    shim judges, keep its result (read only, never changed) for the judging."""
-    result = wrapped(*args, **kwargs)
-    seen = context.state.seen
-    if seen.model is not None and not kwargs.get("buffers_only"):  # the buffers, once per module
-        arguments = bind(wrapped, args, kwargs)
-        if arguments.get("model") is seen.model and not arguments.get("buffers_only"):
-            seen.sizes.append((arguments, result))
-    return result
-
-
-@with_context
-def remember_map_inputs(context: Any, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Call the library's ``_init_infer_auto_device_map`` (accelerate >= 1.2, transformers >= 5)
-    unchanged; inside a map call this shim judges, keep the module sizes and tied groups it
-    returns. One call per map, where wrapping ``compute_module_sizes`` would also see the call
-    the placer makes for every module's buffers."""
-    result = wrapped(*args, **kwargs)
-    seen = context.state.seen
-    if seen.model is not None and type(result) is tuple and len(result) == 8 \
-            and isinstance(result[4], dict) and isinstance(result[5], list):
-        arguments = bind(wrapped, args, kwargs)
-        if arguments.get("model") is seen.model:
-            seen.sizes.append((arguments, result[4]))
-            seen.tied = result[5]
-    return result
-
-
-@with_context
-def remember_tied_parameters(context: Any, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Call accelerate's ``find_tied_parameters`` unchanged; inside a map call this shim judges,
-    keep the groups it found for the model (not those of its own recursive calls on children)."""
-    result = wrapped(*args, **kwargs)
-    seen = context.state.seen
-    if seen.model is not None and not kwargs and len(args) == 1 and args[0] is seen.model:
-        seen.tied = result
-    return result
+        self.seen = SeenInputs()
 
 
 # -- accelerate: get_balanced_memory + infer_auto_device_map --------------------------------------
@@ -274,18 +205,19 @@ def repair_get_device_map(context: Any, wrapped: Callable[..., Any], instance: A
         budgets = tia.get_max_memory(user_copy)
         if quantizer is not None:
             budgets = quantizer.adjust_max_memory(budgets)
-        sizes = seen.sizes_for(model=model, hf_quantizer=quantizer)
+        sizes, tied = seen.sizes_for(model=model, hf_quantizer=quantizer), seen.tied
         return maybe_repair(
-            lambda: transformers_layout(model, quantizer, sizes), result, budgets, strategy == "balanced_low_0",
-            True, sizes,
+            lambda: transformers_layout(model, quantizer, sizes, tied), result, budgets,
+            strategy == "balanced_low_0", True, sizes,
         )
     finally:
         seen.stop()
 
 
-def transformers_layout(model: Any, quantizer: Any, sizes: Any = None) -> Any:
+def transformers_layout(model: Any, quantizer: Any, sizes: Any = None, tied: Any = None) -> Any:
     """The :class:`~devmap_shims.planning.Layout` transformers >= 5 sees for ``model``; ``sizes``
-    are the module sizes its ``infer_auto_device_map`` computed, when the shim saw them."""
+    and ``tied`` are the module sizes and tied groups its ``infer_auto_device_map`` computed, when
+    the shim saw them (computed here the same way otherwise)."""
     from transformers.integrations import accelerate as tia
 
     from devmap_shims.planning import layout_from_module
@@ -295,12 +227,13 @@ def transformers_layout(model: Any, quantizer: Any, sizes: Any = None) -> Any:
             sizes, _ = tia.compute_module_sizes(model, quantizer, only_modules=False)
         except TypeError:
             sizes, _ = tia.compute_module_sizes(model, quantizer)
-    tied_keys = dict(getattr(model, "all_tied_weights_keys", None) or {})
-    groups = [
-        sorted([k for k, v in tied_keys.items() if v == target] + [target]) for target in set(tied_keys.values())
-    ]
+    if tied is None:
+        tied_keys = dict(getattr(model, "all_tied_weights_keys", None) or {})
+        tied = [
+            sorted([k for k, v in tied_keys.items() if v == target] + [target]) for target in set(tied_keys.values())
+        ]
     no_split = getattr(model, "_no_split_modules", None) or ()
-    return layout_from_module(model, sizes, no_split, groups)
+    return layout_from_module(model, sizes, no_split, tied)
 
 
 def maybe_repair(

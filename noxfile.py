@@ -43,6 +43,10 @@ POINT_STACKS = (
     ("point-bitsandbytes-0.48.0", ("bnb-int8params-move-regression", "bnb-int8-stats-stay-on-old-device"),
      ("tests/hooks/bitsandbytes/test_int8_cb_follows_data.py", "tests/hooks/bitsandbytes/test_int8_state_follows_weight.py")),
     ("point-transformers-4.55.0", ("transformers-4550-bucketize-boundaries-cpu",), ()),
+    ("point-transformers-4.27.1", ("transformers-balanced-maxmem-discarded",),
+     ("tests/hooks/transformers/test_balanced_budgets_reach_the_map.py", "tests/scenarios/test_replay.py")),
+    ("point-transformers-4.27.2", ("transformers-user-maxmem-ignored-balanced",),
+     ("tests/hooks/transformers/test_balanced_budgets_reach_the_map.py", "tests/scenarios/test_replay.py")),
 )
 ENGINE_TESTS = (
     "tests/engine", "tests/hardening", "tests/test_compat_matrix.py", "tests/test_versions.py",

@@ -91,6 +91,8 @@ def _h_cuda(func, args, kwargs):
     src = S.sim_index(self)
     if src == target:
         return self
+    if self.is_meta:  # torch's own "Cannot copy out of meta tensor; no data!", as .to("cuda:N") gives
+        return _Tensor.to(self, _CPU)
     S.MACHINE._precheck(target, self.numel() * self.element_size())
     out = sim_copy(self, kwargs.get("memory_format", torch.preserve_format))
     tag(out, target)

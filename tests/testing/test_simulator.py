@@ -185,6 +185,15 @@ def test_factories_and_moves_report_the_device():
         assert "device='cuda:1'" in repr(a)
 
 
+@pytest.mark.parametrize("move", [lambda t: t.to("cuda:1"), lambda t: t.cuda(1), lambda t: t.cuda(),
+                                  lambda t: torch.nn.Parameter(t).cuda(0)], ids=["to", "cuda(1)", "cuda()", "param"])
+def test_a_meta_tensor_cannot_be_copied_to_a_gpu(move):
+    # a real GPU refuses it with torch's own error (the symptom of huggingface/accelerate#2742)
+    with simulated_gpus(2):
+        with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor; no data!"):
+            move(torch.empty(3, device="meta"))
+
+
 def test_views_data_and_parameters_share_the_device():
     with simulated_gpus(2):
         a = torch.arange(6.0, device="cuda:1").reshape(2, 3)

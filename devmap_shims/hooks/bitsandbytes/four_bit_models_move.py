@@ -4,23 +4,20 @@
 transformers refuses to move bitsandbytes models: before 4.45.0 every one ("`.to` is not supported
 for `4-bit` or `8-bit` bitsandbytes models"), from 4.45.0 the 4-bit ones only while bitsandbytes is
 older than 0.43.2 ("Calling `to()` is not supported for `4-bit` quantized models with the installed
-version of bitsandbytes"). 0.43.2 (bitsandbytes#1279) made ``Params4bit.to`` keep ``quant_storage``
-and ``Params4bit.from_prequantized`` record it; moving a 4-bit weight without re-quantizing it
-already worked from 0.43.0 (``bnb_quantized``). Two targets:
+version of bitsandbytes"). From 0.43.0 on a quantized ``Params4bit`` moves without being quantized
+again (``bnb_quantized``), and a module move keeps its ``Params4bit`` objects, so what 0.43.2
+(bitsandbytes#1279) changed, the ``quant_storage`` of the parameter ``Params4bit.to`` returns, does
+not reach a model move. What does is ``quant_state.code``, which ``QuantState.to`` leaves behind
+before 0.45.3.
 
-* ``Params4bit.to``: the returned parameter keeps ``quant_storage`` (the packed data's dtype where
-  ``from_prequantized`` left it unset, as 0.43.2 records it) and ``bnb_quantized``, a parameter that
-  carries a quant state is never quantized again, and every tensor of the quant state (``code``
-  included) ends up on the weight's device.
-* ``PreTrainedModel.to`` / ``.cuda``: when transformers refuses a move of a 4-bit model (no 8-bit
-  weights, no dtype asked for), the model is moved as transformers 4.45 moves it where it allows the
-  move (``torch.nn.Module.to``), then every 4-bit weight's quant state is put on the weight's device.
-  8-bit models and dtype casts are refused as before.
-
-Before 0.43.0 ``Params4bit.to`` quantizes the packed data again on a move to the GPU
-(bitsandbytes#937), so the shim leaves those releases alone. A model that accelerate dispatched
-keeps its hooks; ``hooks-follow-moved-weights`` points them at the new device. Models loaded before
-``install()`` keep the unwrapped ``to`` that accelerate's guard captured.
+When ``PreTrainedModel.to`` / ``.cuda`` refuse to move a 4-bit model (no 8-bit weights, no dtype
+asked for), the wrapper moves it as transformers 4.45 does where it allows the move (the
+``torch.nn.Module`` method), then puts every 4-bit weight's quant state on the weight's device and
+marks the weight quantized. 8-bit models and dtype casts are refused as before. Before 0.43.0
+``Params4bit.to`` quantizes the packed data again on a move to the GPU (bitsandbytes#937), so the
+shim leaves those releases alone. A model that accelerate dispatched keeps its hooks;
+``hooks-follow-moved-weights`` points them at the new device. Models loaded before ``install()``
+keep the unwrapped ``to`` that accelerate's guard captured.
 
 Rows (generated from known_bugs.toml by scripts/regenerate.py):
     bnb-4bit-to-requires-0.43.2
@@ -46,22 +43,6 @@ MOVES_WITHOUT_REQUANTIZING = {"bitsandbytes": ">=0.43.0"}
 logger = LazyLogger(__name__)
 
 
-# -- Params4bit.to ----------------------------------------------------------------------------------
-def keep_state_on_move(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """``Params4bit.to(...)`` that keeps ``quant_storage`` and ``bnb_quantized`` and moves the whole state."""
-    state = quant_state_of(instance)
-    if state is None:
-        return wrapped(*args, **kwargs)
-    namespace = instance.__dict__
-    namespace["bnb_quantized"] = True  # packed data: a move to the GPU must not quantize it again
-    result = wrapped(*args, **kwargs)
-    if result is not instance and quant_state_of(result) is state:
-        result.quant_storage = namespace.get("quant_storage", instance.dtype)
-        result.bnb_quantized = True
-    align_state(state, result.device)
-    return result
-
-
 # -- PreTrainedModel.to / .cuda ----------------------------------------------------------------------
 def is_4bit_model(model: Any) -> bool:
     """A transformers model bitsandbytes loaded in 4-bit, holding no 8-bit weights."""
@@ -83,27 +64,33 @@ def _casts(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
         return True
 
 
-def align_quant_states(model: Any) -> int:
-    """Put every 4-bit weight's quant state on the weight's device; returns how many tensors moved."""
-    moved = 0
+def quant_states(model: Any) -> List[Tuple[Any, Any]]:
+    """``(weight, quant state)`` of every 4-bit weight of ``model``."""
+    found = []
     for param in model.parameters():
         state = quant_state_of(param)
         if state is not None:
-            moved += align_state(state, param.device)
-    return moved
+            found.append((param, state))
+    return found
 
 
-def _move(method: str, refused: Callable[[], Any], model: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+def _move(method: str, wrapped: Callable[..., Any], model: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """The library's ``method``; where it refuses a 4-bit model, the ``torch.nn.Module`` move instead."""
     try:
-        return refused()
+        return wrapped(*args, **kwargs)
     except ValueError:
         if not is_4bit_model(model) or (method == "to" and _casts(args, kwargs)):
             raise
     import sys
 
     base = sys.modules["transformers.modeling_utils"].PreTrainedModel
+    for param, _state in quant_states(model):
+        param.__dict__["bnb_quantized"] = True  # packed data: the move must not quantize it again
     result = getattr(super(base, model), method)(*args, **kwargs)
-    strays = align_quant_states(model)
+    strays = 0
+    for param, state in quant_states(model):  # read again: a move may have replaced the parameters
+        param.__dict__["bnb_quantized"] = True
+        strays += align_state(state, param.device)
     logger.debug("%s.%s: moved the 4-bit model transformers refused to move (%d quant-state tensors followed)",
                  type(model).__name__, method, strays)
     return result
@@ -111,26 +98,24 @@ def _move(method: str, refused: Callable[[], Any], model: Any, args: Tuple[Any, 
 
 def move_4bit_model_to(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """``PreTrainedModel.to``: a 4-bit model transformers refuses to move is moved."""
-    return _move("to", lambda: wrapped(*args, **kwargs), instance, args, kwargs)
+    return _move("to", wrapped, instance, args, kwargs)
 
 
 def move_4bit_model_cuda(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """``PreTrainedModel.cuda``: a 4-bit model transformers refuses to move is moved."""
-    return _move("cuda", lambda: wrapped(*args, **kwargs), instance, args, kwargs)
+    return _move("cuda", wrapped, instance, args, kwargs)
 
 
 SHIM = Shim(
     id="four-bit-models-move",
     fixes=(BUG_ID,),
     targets=(
-        Target("bitsandbytes.nn.modules", "Params4bit.to", when=MOVES_WITHOUT_REQUANTIZING, wrapper=keep_state_on_move),
         Target("transformers.modeling_utils", "PreTrainedModel.to", when=MOVES_WITHOUT_REQUANTIZING,
                wrapper=move_4bit_model_to),
         Target("transformers.modeling_utils", "PreTrainedModel.cuda", when=MOVES_WITHOUT_REQUANTIZING,
                wrapper=move_4bit_model_cuda),
     ),
-    compile_reachable=True,
-    summary="move 4-bit transformers models with .to()/.cuda() and keep every Params4bit's state on the move",
+    summary="move 4-bit transformers models that transformers refuses to move, with their whole quant state",
 )
 
 

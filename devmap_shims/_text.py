@@ -25,6 +25,8 @@ GROUP_WIDTH = 40
 #: ``bitsandbytes 0.45.3`` are never split in two.
 _SPECIFIER = re.compile(r"^(?:(?:[<>]=?|[=!~]=|===)(?:\S|$)|\d+\.\d+)")
 #: A unit after a number (``3.82 GiB``, ``0.94 x``): it stays on the line of its number.
+#: how a row reads a "*" specifier (``bitsandbytes (any version)``): kept with the name like a version
+ANY_VERSION = "(any version)"
 _UNIT = re.compile(r"^(?:B|KiB|MiB|GiB|TiB|KB|MB|GB|TB|x)(?:\W|$)")
 
 
@@ -36,7 +38,8 @@ def atoms(text: str) -> List[str]:
     """``text``'s unbreakable pieces, in order: its words, except that a bracketed group of up to
     ``GROUP_WIDTH`` columns (``[no shim: pass max_memory]``, ``(last checked 2026-11-01)``) is one
     piece, and a version
-    specifier or number is one piece with the word before it (``bitsandbytes >=0.41.2,<0.45.3``).
+    specifier, number or ``(any version)`` is one piece with the word before it
+    (``bitsandbytes >=0.41.2,<0.45.3``).
     Whitespace is normalised to one space."""
     words = text.split()
     merged: List[str] = []
@@ -50,7 +53,8 @@ def atoms(text: str) -> List[str]:
         if depth > 0 or len(" ".join(group)) > GROUP_WIDTH:  # unclosed, or prose: words apart
             group, j = [words[i]], i + 1
         piece = " ".join(group)
-        if merged and (_SPECIFIER.match(piece) or (_UNIT.match(piece) and merged[-1][-1:].isdigit())):
+        if merged and (_SPECIFIER.match(piece) or piece.startswith(ANY_VERSION)
+                       or (_UNIT.match(piece) and merged[-1][-1:].isdigit())):
             merged[-1] += " " + piece
         else:
             merged.append(piece)

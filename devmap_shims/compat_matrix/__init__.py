@@ -33,6 +33,7 @@ from devmap_shims.compat_matrix._schema import (
     parse_document,
     parse_row,
 )
+from devmap_shims._text import ANY_VERSION
 from devmap_shims.versions import satisfies
 
 __all__ = [
@@ -127,7 +128,7 @@ class BugRow:
 
 def requirement_text(dist: str, spec: str) -> str:
     """``"bitsandbytes >=0.41.2,<0.45.3"``; ``"*"`` reads ``"bitsandbytes (any version)"``."""
-    return f"{dist} (any version)" if spec.strip() in ("", "*", "any") else f"{dist} {spec}"
+    return f"{dist} {ANY_VERSION}" if spec.strip() in ("", "*", "any") else f"{dist} {spec}"
 
 
 def upstream_url(link: str) -> str:

@@ -26,7 +26,7 @@ def test_default_width_is_100():
 
 def test_atoms_keep_groups_and_bind_specifiers_to_the_word_before():
     assert atoms("accelerate <1.2.0; bitsandbytes (any version) [no shim: pass max_memory]") == [
-        "accelerate <1.2.0;", "bitsandbytes", "(any version)", "[no shim: pass max_memory]"]
+        "accelerate <1.2.0;", "bitsandbytes (any version)", "[no shim: pass max_memory]"]
     assert atoms("  a\n\tb  ") == ["a", "b"]
     assert atoms("bitsandbytes 0.45.3 is the fix") == ["bitsandbytes 0.45.3", "is", "the", "fix"]
     # an opener never closed does not swallow the rest of the text

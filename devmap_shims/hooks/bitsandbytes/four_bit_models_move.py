@@ -1,5 +1,6 @@
 """Shim ``four-bit-models-move``: a 4-bit bitsandbytes transformers model moves with ``.to()`` and
-``.cuda()`` on bitsandbytes 0.43.0-0.43.1, and arrives exactly as if it had been loaded there.
+``.cuda()`` (bitsandbytes 0.43.0-0.43.1; ``.cuda()`` on transformers 4.45-4.52), and arrives exactly
+as if it had been loaded there.
 
 transformers refuses to move bitsandbytes models: before 4.45.0 every one ("`.to` is not supported
 for `4-bit` or `8-bit` bitsandbytes models"), from 4.45.0 the 4-bit ones only while bitsandbytes is
@@ -13,7 +14,10 @@ before 0.45.3.
 When ``PreTrainedModel.to`` / ``.cuda`` refuse to move a 4-bit model (no 8-bit weights, no dtype
 asked for), the wrapper moves it as transformers 4.45 does where it allows the move (the
 ``torch.nn.Module`` method), then puts every 4-bit weight's quant state on the weight's device and
-marks the weight quantized. 8-bit models and dtype casts are refused as before. Before 0.43.0
+marks the weight quantized. 8-bit models and dtype casts are refused as before. transformers
+4.45.0 to 4.52.x do not refuse ``.cuda()`` on a 4-bit model with bitsandbytes >= 0.43.2 but return
+None without moving it (``return super().cuda()`` sits in the branch for unquantized models); there
+the wrapper makes the same move and returns the model. Before 0.43.0
 ``Params4bit.to`` quantizes the packed data again on a move to the GPU (bitsandbytes#937), so the
 shim leaves those releases alone. A model that accelerate dispatched keeps its hooks;
 ``hooks-follow-moved-weights`` points them at the new device. Models loaded before ``install()``
@@ -23,6 +27,9 @@ Rows (generated from known_bugs.toml by scripts/regenerate.py):
     bnb-4bit-to-requires-0.43.2
         affected: bitsandbytes <0.43.2
         fixed in: bitsandbytes 0.43.2
+    transformers-4bit-cuda-noop
+        affected: transformers >=4.45.0,<4.53.0; bitsandbytes >=0.43.2
+        fixed in: transformers 4.53.0
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from devmap_shims.scenarios import BugObserved, import_before_simulation, scenar
 from devmap_shims.shims import LazyLogger, Shim, Target
 
 BUG_ID = "bnb-4bit-to-requires-0.43.2"
+CUDA_BUG = "transformers-4bit-cuda-noop"
 #: where Params4bit.to moves a quantized weight without quantizing it again (bnb_quantized)
 MOVES_WITHOUT_REQUANTIZING = {"bitsandbytes": ">=0.43.0"}
 
@@ -77,10 +85,19 @@ def quant_states(model: Any) -> List[Tuple[Any, Any]]:
 def _move(method: str, wrapped: Callable[..., Any], model: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """The library's ``method``; where it refuses a 4-bit model, the ``torch.nn.Module`` move instead."""
     try:
-        return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
     except ValueError:
         if not is_4bit_model(model) or (method == "to" and _casts(args, kwargs)):
             raise
+        return _module_move(method, model, args, kwargs, "refused to move")
+    if result is None and method == "cuda" and is_4bit_model(model):  # 4.45-4.52: fell off the end
+        return _module_move(method, model, args, kwargs, "returned None from .cuda() for")
+    return result
+
+
+def _module_move(method: str, model: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], what: str) -> Any:
+    """``torch.nn.Module``'s ``method`` on the 4-bit ``model``, its weights marked quantized and
+    every quant-state tensor on its weight's device."""
     import sys
 
     base = sys.modules["transformers.modeling_utils"].PreTrainedModel
@@ -91,8 +108,8 @@ def _move(method: str, wrapped: Callable[..., Any], model: Any, args: Tuple[Any,
     for param, state in quant_states(model):  # read again: a move may have replaced the parameters
         param.__dict__["bnb_quantized"] = True
         strays += align_state(state, param.device)
-    logger.debug("%s.%s: moved the 4-bit model transformers refused to move (%d quant-state tensors followed)",
-                 type(model).__name__, method, strays)
+    logger.debug("%s.%s: moved the 4-bit model transformers %s (%d quant-state tensors followed)",
+                 type(model).__name__, method, what, strays)
     return result
 
 
@@ -108,7 +125,7 @@ def move_4bit_model_cuda(wrapped: Callable[..., Any], instance: Any, args: Tuple
 
 SHIM = Shim(
     id="four-bit-models-move",
-    fixes=(BUG_ID,),
+    fixes=(BUG_ID, CUDA_BUG),
     targets=(
         Target("transformers.modeling_utils", "PreTrainedModel.to", when=MOVES_WITHOUT_REQUANTIZING,
                wrapper=move_4bit_model_to),
@@ -196,3 +213,29 @@ def four_bit_model_round_trip() -> str:
                               + "; ".join(wrong[:4]))
         states = sum(1 for name in expected if name.endswith(":state"))
         return f"cuda:0 -> cpu -> cuda:0: {len(expected)} entries ({states} 4-bit weights) equal a fresh load on cuda:0"
+
+
+@scenario(CUDA_BUG, "a 4-bit Llama loaded on cuda:0, then model = model.cuda(1)",
+          needs=("torch", "bitsandbytes", "transformers", "accelerate"))
+def four_bit_model_cuda_to_second_gpu() -> str:
+    import_before_simulation("bitsandbytes")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from devmap_shims.scenarios import ScenarioUnavailable
+    from devmap_shims.testing import simulated_gpus
+
+    path = prequantized_llama_dir()
+    with simulated_gpus(2, memory="2GiB"), torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(path, device_map={"": 0})
+        try:
+            moved = model.cuda(1)
+        except ValueError as exc:  # transformers < 4.45 (or bitsandbytes < 0.43.2): bnb-4bit-to-requires-0.43.2
+            raise ScenarioUnavailable(f"transformers refuses .cuda() on 4-bit models here: {str(exc).splitlines()[0]}") from exc
+        if moved is not model:
+            where = sorted({str(p.device) for p in model.parameters()})
+            raise BugObserved(f"model.cuda(1) returned {moved!r}; the model's parameters are on {', '.join(where)}")
+        wrong = differences(four_bit_state(model), four_bit_state(AutoModelForCausalLM.from_pretrained(path, device_map={"": 1})))
+        if wrong:
+            raise BugObserved(f"after model.cuda(1), {len(wrong)} entries differ from a fresh load on cuda:1: " + "; ".join(wrong[:4]))
+        return "model.cuda(1) returned the model, equal to a fresh load on cuda:1"

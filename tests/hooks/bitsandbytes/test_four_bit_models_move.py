@@ -150,3 +150,18 @@ def test_where_transformers_moves_the_model_the_shim_changes_nothing(no_shim):
     expected = hook.four_bit_state(load(0).to("cuda:1"))
     devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id])
     assert hook.differences(hook.four_bit_state(load(0).to("cuda:1")), expected) == []
+
+
+CUDA_NOOP = MATRIX.get(hook.CUDA_BUG).applies(VERSIONS)
+
+
+@SIM
+@pytest.mark.skipif(not CUDA_NOOP, reason="transformers' .cuda() moves 4-bit models (or refuses them) here")
+def test_a_cuda_call_that_returned_none_moves_the_model_and_returns_it(no_shim):
+    model = load(0)
+    assert model.cuda(1) is None and devices(model) == {"cuda:0"}  # transformers 4.45-4.52 alone
+    devmap_shims.install(only=[hook.SHIM.id])
+    model = load(0)
+    assert model.cuda(1) is model and same_as_loaded_on(model, 1) == []
+    torch.cuda.set_device(0)
+    assert model.cuda() is model and same_as_loaded_on(model, 0) == []  # no index: the current GPU

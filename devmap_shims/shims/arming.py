@@ -169,11 +169,17 @@ def unwatch_and_unwrap(registry: Registry) -> None:
             target_entry.owner, target_entry.name, target_entry.layer, target_entry.original
         )
         wrapping.restore_aliases(target_entry.rebound, target_entry.original, target_entry.layer)
+        if not isinstance(target_entry.owner, type):
+            # copies made while the layer was on (a module imported since, such as transformers
+            # copying accelerate's functions by name) go back to the original as well
+            wrapping.rebind_aliases(target_entry.layer, target_entry.original)
+        # anything still holding the layer (a closure, a foreign wrapper) now reaches the original
+        target_entry.enabled = False
         if outcome in ("buried", "absent"):
             # A foreign wrapper captured our layer (in a closure, or an object we cannot see
             # into), or the attribute was replaced: the layer may still be called, so it stays
-            # in the call chain doing nothing, and a new install wraps whatever is there now.
-            target_entry.enabled = False
+            # in the call chain doing nothing (switched off above), and a new install wraps
+            # whatever is there now.
             registry.warn(
                 f"{target_entry.target.key}: devmap_shims' layer is no longer the attribute (a foreign "
                 "wrapper holds it, or the attribute was replaced); it was switched off instead of removed"

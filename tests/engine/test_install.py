@@ -61,6 +61,29 @@ def test_import_then_install_rebinds_by_name_copies(fake_stack):
     assert fakeconsumer.use(3) == 6
 
 
+def test_copies_made_while_installed_are_undone_by_uninstall_and_follow_the_next_install(fake_stack):
+    """A module imported while the shims are on copies the wrapper itself (transformers imported
+    inside a replay copies accelerate's wrapped functions): uninstall must take those copies back
+    too, or they keep repairing after uninstall and a later install never reaches that module."""
+    register_fake()
+    devmap_shims.install(only=["fake-fix"])
+    import fakeconsumer
+    import fakelib
+    import fakelib.core
+
+    assert fakeconsumer.use(3) == 7
+    devmap_shims.uninstall()
+    original = fakelib.core.compute
+    assert not wrapping.is_ours(original)
+    assert fakeconsumer.compute is original and fakelib.compute is original and fakeconsumer.compute_again is original
+    assert fakeconsumer.use(3) == 6
+    devmap_shims.install(only=["fake-fix"])
+    assert shim_status()["state"] == "active"
+    assert fakeconsumer.use(3) == 7 and fakelib.compute(3) == 7
+    devmap_shims.uninstall()
+    assert fakeconsumer.use(3) == 6 and fakeconsumer.compute is original
+
+
 def test_install_twice_is_a_noop_and_wraps_once(fake_stack):
     register_fake()
     devmap_shims.install(only=["fake-fix"])

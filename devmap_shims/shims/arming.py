@@ -11,7 +11,7 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
-    from typing import Any, List
+    from typing import Any, Dict, List, Tuple
 
 from devmap_shims.shims import importhook
 from devmap_shims.shims.guard import bind_context, guarded_call
@@ -160,6 +160,7 @@ def _watch_entries(registry: Registry, entries: List[TargetEntry]) -> None:
 def unwatch_and_unwrap(registry: Registry) -> None:
     from devmap_shims.shims import wrapping
 
+    removed: Dict[int, Tuple[Any, Any]] = {}  # module functions' layers: id -> (layer, original)
     for target_entry in sorted(registry.target_entries(), key=lambda t: -t.seq):  # outer layer first
         if target_entry.hook is not None:
             importhook.cancel(target_entry.hook)
@@ -170,9 +171,7 @@ def unwatch_and_unwrap(registry: Registry) -> None:
         )
         wrapping.restore_aliases(target_entry.rebound, target_entry.original, target_entry.layer)
         if not isinstance(target_entry.owner, type):
-            # copies made while the layer was on (a module imported since, such as transformers
-            # copying accelerate's functions by name) go back to the original as well
-            wrapping.rebind_aliases(target_entry.layer, target_entry.original)
+            removed[id(target_entry.layer)] = (target_entry.layer, target_entry.original)
         # anything still holding the layer (a closure, a foreign wrapper) now reaches the original
         target_entry.enabled = False
         if outcome in ("buried", "absent"):
@@ -185,4 +184,7 @@ def unwatch_and_unwrap(registry: Registry) -> None:
                 "wrapper holds it, or the attribute was replaced); it was switched off instead of removed"
             )
         wrapping.forget(target_entry.layer)
+    # copies made while a layer was on (a module imported since, such as transformers copying
+    # accelerate's functions by name) go back to the original too: one pass over sys.modules
+    wrapping.unbind_layers(removed)
 

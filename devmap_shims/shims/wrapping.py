@@ -246,6 +246,26 @@ def rebind_aliases(original: Any, replacement: Any, skip_prefixes: Tuple[str, ..
     return rebound
 
 
+def unbind_layers(removed: Dict[int, Tuple[Any, Any]]) -> None:
+    """Point every by-name copy of a removed layer in ``sys.modules`` at what that layer wrapped
+    (``removed``: ``id(layer) -> (layer, original)``; an original that is itself a removed layer,
+    two shims on one function, is followed to the end)."""
+    if not removed:
+        return
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or mod_name.startswith("devmap_shims"):
+            continue
+        try:
+            namespace = module.__dict__
+            hits = [(key, value) for key, value in list(namespace.items()) if id(value) in removed]
+        except Exception:
+            continue
+        for key, value in hits:
+            while id(value) in removed and removed[id(value)][0] is value:
+                value = removed[id(value)][1]
+            namespace[key] = value
+
+
 def restore_aliases(rebound: List[Tuple[str, str]], original: Any, replacement: Any) -> None:
     """Undo :func:`rebind_aliases` where the copy still holds our replacement."""
     for mod_name, key in rebound:

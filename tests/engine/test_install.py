@@ -84,6 +84,20 @@ def test_copies_made_while_installed_are_undone_by_uninstall_and_follow_the_next
     assert fakeconsumer.use(3) == 6 and fakeconsumer.compute is original
 
 
+def test_copies_of_two_stacked_layers_go_back_to_the_original(fake_stack):
+    register_fake()
+    second = Shim("fake-fix-2", ("fake-bug-2",), (Target("fakelib.core", "compute"),), add_one)
+    devmap_shims.register(second, matrix_rows=[fake_row("fake-bug-2", fixed_in={"fakelib": "2.0.0"})])
+    devmap_shims.install(only=["fake-fix", "fake-fix-2"])
+    import fakeconsumer
+    import fakelib.core
+
+    assert fakeconsumer.use(3) == 8  # both layers
+    devmap_shims.uninstall()
+    assert not wrapping.is_ours(fakelib.core.compute) and fakeconsumer.compute is fakelib.core.compute
+    assert fakeconsumer.use(3) == 6
+
+
 def test_install_twice_is_a_noop_and_wraps_once(fake_stack):
     register_fake()
     devmap_shims.install(only=["fake-fix"])

@@ -52,7 +52,10 @@ def test_doctor_default_fits_30_lines_of_100_columns_on_this_stack(doctor_json):
     off_here = [s for s in doctor_json["shims"] if s["state"] == "skipped" and s["selected"] and not s["applies"]]
     for shim in doctor_json["shims"]:
         if shim["state"] in ("active", "pending", "failed"):
-            assert any(line.split()[:2] == [shim["id"], shim["state"].upper()] for line in lines), shim["id"]
+            # a line of its own, or (more shims than lines) named in the "N active: ..." list
+            own_line = any(line.split()[:2] == [shim["id"], shim["state"].upper()] for line in lines)
+            n = sum(1 for s in doctor_json["shims"] if s["state"] == shim["state"])
+            assert own_line or shim["id"] in _listed(lines, f"{n} {shim['state']}: "), shim["id"]
     if off_here:
         assert f"{len(off_here)} shim{'s' if len(off_here) != 1 else ''} off: " in text
         assert not any(line.split()[:1] == [off_here[0]["id"]] for line in lines)
@@ -62,6 +65,19 @@ def test_doctor_default_fits_30_lines_of_100_columns_on_this_stack(doctor_json):
     for row in rows:  # each applicable row is named: under its active shim, or in the list below
         if row["shim"] not in active:
             assert row["id"] in text
+
+
+def _listed(lines, heading):
+    """The ids of the list that starts with ``heading`` (its continuation lines are indented)."""
+    for i, line in enumerate(lines):
+        if line.strip().startswith(heading):
+            chunk = [line.strip()[len(heading):]]
+            for more in lines[i + 1:]:
+                if not more.startswith("    "):
+                    break
+                chunk.append(more.strip())
+            return {name.strip() for name in " ".join(chunk).split(",")}
+    return set()
 
 
 def test_doctor_verbose_lists_every_target_within_100_columns(doctor_json):

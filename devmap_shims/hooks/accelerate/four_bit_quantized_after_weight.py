@@ -58,6 +58,10 @@ def waiting_weight(module: Any, tensor_name: Any, device: Any) -> Optional[Any]:
     weight = getattr(owner, "_parameters", {}).get("weight")
     if weight is None or getattr(weight, "quant_state", None) is not None or str(weight.device) != "meta":
         return None
+    if isinstance(device, int) and not isinstance(device, bool):
+        # a GPU index, as accelerate reads it (torch.device(1) raises on some torch releases
+        # when no accelerator is visible)
+        return weight if device >= 0 else None
     import torch
 
     try:

@@ -24,9 +24,9 @@ GROUP_WIDTH = 40
 #: (``0.45.3``): it stays on the line of the word before it, so ``accelerate >=1.4.0`` and
 #: ``bitsandbytes 0.45.3`` are never split in two.
 _SPECIFIER = re.compile(r"^(?:(?:[<>]=?|[=!~]=|===)(?:\S|$)|\d+\.\d+)")
-#: A unit after a number (``3.82 GiB``, ``0.94 x``): it stays on the line of its number.
 #: how a row reads a "*" specifier (``bitsandbytes (any version)``): kept with the name like a version
 ANY_VERSION = "(any version)"
+#: A unit after a number (``3.82 GiB``, ``0.94 x``): it stays on the line of its number.
 _UNIT = re.compile(r"^(?:B|KiB|MiB|GiB|TiB|KB|MB|GB|TB|x)(?:\W|$)")
 
 

@@ -169,7 +169,6 @@ def unwatch_and_unwrap(registry: Registry) -> None:
         outcome = wrapping.splice_out(
             target_entry.owner, target_entry.name, target_entry.layer, target_entry.original
         )
-        wrapping.restore_aliases(target_entry.rebound, target_entry.original, target_entry.layer)
         if not isinstance(target_entry.owner, type):
             removed[id(target_entry.layer)] = (target_entry.layer, target_entry.original)
         # anything still holding the layer (a closure, a foreign wrapper) now reaches the original
@@ -184,7 +183,8 @@ def unwatch_and_unwrap(registry: Registry) -> None:
                 "wrapper holds it, or the attribute was replaced); it was switched off instead of removed"
             )
         wrapping.forget(target_entry.layer)
-    # copies made while a layer was on (a module imported since, such as transformers copying
-    # accelerate's functions by name) go back to the original too: one pass over sys.modules
+    # every by-name copy of a layer goes back to the original in one pass over sys.modules: those
+    # rebound at arming and those made while it was on (a module imported since, such as
+    # transformers copying accelerate's functions by name)
     wrapping.unbind_layers(removed)
 

@@ -226,7 +226,7 @@ def rebind_aliases(original: Any, replacement: Any, skip_prefixes: Tuple[str, ..
     ``from accelerate.utils import infer_auto_device_map`` made before the wrapper existed leaves a
     copy of the original in the importing module; this finds such copies by identity (reading
     ``__dict__`` so lazy modules' ``__getattr__`` is never triggered) and returns
-    ``[(module name, attribute)]`` so that uninstall can put them back.
+    ``[(module name, attribute)]`` (what ``status()`` reports as rebound).
     """
     rebound = []
     for mod_name, module in list(sys.modules.items()):
@@ -264,12 +264,3 @@ def unbind_layers(removed: Dict[int, Tuple[Any, Any]]) -> None:
             while id(value) in removed and removed[id(value)][0] is value:
                 value = removed[id(value)][1]
             namespace[key] = value
-
-
-def restore_aliases(rebound: List[Tuple[str, str]], original: Any, replacement: Any) -> None:
-    """Undo :func:`rebind_aliases` where the copy still holds our replacement."""
-    for mod_name, key in rebound:
-        module = sys.modules.get(mod_name)
-        namespace = getattr(module, "__dict__", None)
-        if namespace is not None and namespace.get(key) is replacement:
-            namespace[key] = original

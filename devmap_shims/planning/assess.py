@@ -198,7 +198,7 @@ def unavoidable_offload(layout: Layout, budgets: Mapping[Any, float], reserve: i
     if not gpus:
         return layout.total
     caps = [int(budgets[g]) for g in gpus]
-    sizes = [u.size for u in layout.placed]
+    sizes = layout.placed_sizes
     if greedy_prefix(sizes, caps) == len(sizes):
         return 0
     caps[0] = max(0, caps[0] - reserve)
@@ -222,8 +222,11 @@ def assess(
     loads = {g: per_device.get(g, 0) for g in gpus}
     max_load = max([per_device.get(d, 0) for d in per_device if d not in ("cpu", "disk")] or [0])
     bound = lower_bound(layout, budgets, low_zero)
-    offloaded_units = [u for u in layout.placed if unit_devices[u.name] in ("cpu", "disk")]
-    offloaded = sum(u.size for u in offloaded_units)
+    offloaded_sizes: List[int] = []
+    if "cpu" in per_device or "disk" in per_device:
+        placed = zip(layout.placed_names, layout.placed_sizes)
+        offloaded_sizes = [size for name, size in placed if unit_devices[name] in ("cpu", "disk")]
+    offloaded = sum(offloaded_sizes)
     problems: List[str] = []
 
     overfull = [d for d, b in per_device.items() if d in budgets and d != "disk" and b > budgets[d]]
@@ -239,9 +242,9 @@ def assess(
         )
 
     # accelerate keeps room on its main GPU (the first) to stream an offloaded block back in
-    reserve = max(u.size for u in offloaded_units) if offloaded_units else 0
+    reserve = max(offloaded_sizes, default=0)
     unavoidable = False
-    if offloaded_units:
+    if offloaded_sizes:
         necessary = unavoidable_offload(layout, budgets, reserve)
         if offloaded > necessary:
             problems.append(
@@ -249,14 +252,15 @@ def assess(
                 f"{format_bytes(necessary)} that cannot stay on a GPU"
             )
         else:
-            offloaded_units = []
+            offloaded_sizes = []
             unavoidable = True
 
     skipped: List[int] = []
     first_unit_on: Dict[Any, int] = {}
-    for u in layout.placed:
-        if u.size:  # a module without bytes (Dropout, a deduplicated tied weight) opens nothing
-            first_unit_on.setdefault(unit_devices[u.name], u.size)
+    if any(loads[g] <= 0 for g in gpus):  # the size of each device's first unit, to judge an empty GPU
+        for name, size in zip(layout.placed_names, layout.placed_sizes):
+            if size:  # a module without bytes (Dropout, a deduplicated tied weight) opens nothing
+                first_unit_on.setdefault(unit_devices[name], size)
     for i, g in enumerate(gpus):
         if loads[g] > 0 or (low_zero and g == gpus[0] and len(gpus) > 1):
             continue
@@ -276,7 +280,7 @@ def assess(
 
     if collapsed:
         verdict = COLLAPSED
-    elif offloaded_units:
+    elif offloaded_sizes:
         verdict = OFFLOADED
     elif skipped:
         verdict = SKIPPED

@@ -16,44 +16,100 @@ co.), so this module imports no torch; :class:`Layout` can also be built from pl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from itertools import groupby, repeat
+from operator import itemgetter
 from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+
+_NO_DICT: Dict[str, Any] = {}
+_NAME, _SIZE = itemgetter(0), itemgetter(1)  # of a Unit, at C speed
+_NOT_IN_TREE = object()
+
+
+def _same_device(device: Any, other: Any, kind: type) -> bool:
+    """``device == other`` where ``kind`` is ``type(other)``: 0 and False, 1 and "1" differ."""
+    return type(device) is kind and device == other
 
 
 class Unit(NamedTuple):
-    """A block placed whole: its module (or tensor) name and its bytes. A tuple, as a model of
-    62,896 modules makes tens of thousands of them per map."""
+    """A block placed whole: its module (or tensor) name and its bytes."""
 
     name: str
     size: int
 
 
-@dataclass
 class Layout:
     """Units in placement order, plus the module tree needed to write a compact device map.
 
+    names, sizes:
+        The units' names and bytes, in placement order (:attr:`units` pairs them as
+        :class:`Unit`). Two flat lists rather than a tuple per unit: a model whose every Linear is
+        a block has tens of thousands of units, and objects that outlive a garbage collection of
+        the young generation are what brings on a full one over the whole model (over a second
+        at 79,246 modules); a list of strings or integers is one such object, a tuple subclass
+        per unit is one each.
     children:
         For every module that was split, its direct entries in walk order (full names). A name
         without an entry here is a unit.
     followers:
         Unit name -> the anchor unit whose device it shares (tied weights).
+    placed_names, placed_sizes:
+        The sequence that is partitioned: the units without followers, anchors carrying their
+        followers' bytes.
     """
 
-    units: List[Unit]
-    children: Dict[str, List[str]] = field(default_factory=dict)
-    followers: Dict[str, str] = field(default_factory=dict)
+    def __init__(
+        self,
+        units: Iterable[Tuple[str, int]] = (),
+        children: Optional[Dict[str, Sequence[str]]] = None,
+        followers: Optional[Dict[str, str]] = None,
+    ) -> None:
+        pairs = list(units)
+        self._set(list(map(_NAME, pairs)), list(map(_SIZE, pairs)), children, followers)
+        self.spans: Optional[Dict[str, Tuple[int, int]]] = None
 
-    def __post_init__(self) -> None:
-        self._index = {u.name: i for i, u in enumerate(self.units)}
-        #: the sequence that is partitioned: anchors carry their followers' bytes
-        self.placed: List[Unit] = self.units
+    @classmethod
+    def of(
+        cls,
+        names: List[str],
+        sizes: List[int],
+        children: Optional[Dict[str, Sequence[str]]] = None,
+        followers: Optional[Dict[str, str]] = None,
+        spans: Optional[Dict[str, Tuple[int, int]]] = None,
+    ) -> "Layout":
+        """A layout of units given as two parallel lists (kept, not copied). ``spans``: for every
+        split module, the range of unit indexes under it (what :func:`layout_from_module` walks)."""
+        layout = cls.__new__(cls)
+        layout._set(names, sizes, children, followers)
+        layout.spans = spans
+        return layout
+
+    def _set(
+        self, names: List[str], sizes: List[int], children: Optional[Dict[str, Sequence[str]]],
+        followers: Optional[Dict[str, str]],
+    ) -> None:
+        self.names, self.sizes = names, sizes
+        self.children: Dict[str, Sequence[str]] = children if children is not None else {}
+        self.followers: Dict[str, str] = followers if followers is not None else {}
+        self._index = dict(zip(names, range(len(names))))
+        self.placed_names, self.placed_sizes = names, sizes
         if self.followers:
-            merged = {u.name: u.size for u in self.units}
+            merged = dict(zip(names, sizes))
             for follower, anchor in self.followers.items():
                 merged[anchor] += merged.pop(follower)
-            self.placed = [Unit(u.name, merged[u.name]) for u in self.units if u.name in merged]
-        self._total = sum(u.size for u in self.units)
-        self._largest = max((u.size for u in self.placed), default=0)
+            self.placed_names = [n for n in names if n in merged]
+            self.placed_sizes = [merged[n] for n in self.placed_names]
+        self._total = sum(sizes)
+        self._largest = max(self.placed_sizes, default=0)
+
+    @property
+    def units(self) -> List[Unit]:
+        """Every unit in placement order (built on each call)."""
+        return list(map(Unit._make, zip(self.names, self.sizes)))
+
+    @property
+    def placed(self) -> List[Unit]:
+        """The partitioned sequence as units (built on each call)."""
+        return list(map(Unit._make, zip(self.placed_names, self.placed_sizes)))
 
     @property
     def total(self) -> int:
@@ -79,43 +135,99 @@ class Layout:
     def unit_devices(self, device_map: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
         """Device of every unit under ``device_map`` (longest matching prefix), or None when the
         map places something finer than a unit (a split no-split block) or misses a unit."""
-        out: Dict[str, Any] = {}
+        if self.spans is not None:
+            by_tree = self._unit_devices_by_spans(device_map)
+            if by_tree is not _NOT_IN_TREE:
+                return by_tree
         missing = object()
+        get = device_map.get
         # a module's device, once looked up, serves its other units (256 experts share a layer)
         found: Dict[str, Any] = {}
+        look = found.get
 
         def device_of(name: str) -> Any:
-            device = device_map.get(name, missing)
+            device = get(name, missing)
             if device is missing and name:
                 parent = name.rpartition(".")[0]
-                device = found.get(parent, missing)
+                device = look(parent, missing)
                 if device is missing:
                     device = found[parent] = device_of(parent)
             return device
 
-        for unit in self.units:
-            device = device_of(unit.name)
+        devices = []
+        keep = devices.append
+        for name in self.names:
+            device = get(name, missing)
             if device is missing:
-                return None
-            out[unit.name] = device
+                if not name:
+                    return None
+                parent = name.rpartition(".")[0]
+                device = look(parent, missing)
+                if device is missing:
+                    device = found[parent] = device_of(parent)
+                    if device is missing:
+                        return None
+            keep(device)
         for key in device_map:
             probe = key.rpartition(".")[0] if key else ""
             while probe:
                 if probe in self._index:
                     return None  # the map places part of a unit on its own
                 probe = probe.rpartition(".")[0]
-        return out
+        return dict(zip(self.names, devices))
+
+    def _unit_devices_by_spans(self, device_map: Mapping[str, Any]) -> Any:
+        """:meth:`unit_devices` down the module tree: a module the map names and no map entry lies
+        below gives its whole span of units its device at once. :data:`_NOT_IN_TREE` when the map
+        names something that is not a module or unit of the walk."""
+        index, children = self._index, self.children
+        inner = set()  # modules with a map entry somewhere below them
+        for key in device_map:
+            if key not in index and key not in children:
+                return _NOT_IN_TREE  # a name the walk did not meet: matched by prefix instead
+            probe = key
+            while probe:
+                probe = probe.rpartition(".")[0]
+                if probe in index:
+                    return None  # the map places part of a unit on its own
+                if probe in inner:
+                    break
+                if probe not in children:
+                    return _NOT_IN_TREE
+                inner.add(probe)
+        missing = object()
+        get, spans = device_map.get, self.spans
+        devices: List[Any] = [missing] * len(self.names)
+
+        def walk(name: str, inherited: Any) -> None:
+            device = get(name, inherited)
+            kids = children.get(name)
+            if kids is None:
+                devices[index[name]] = device
+            elif name in inner:
+                for kid in kids:
+                    walk(kid, device)
+            else:
+                start, end = spans[name]
+                devices[start:end] = [device] * (end - start)
+
+        walk("", missing)
+        if missing in devices:
+            return None
+        return dict(zip(self.names, devices))
 
     def bytes_per_device(self, unit_devices: Mapping[str, Any]) -> Dict[Any, int]:
         out: Dict[Any, int] = {}
-        for unit in self.units:
-            device = unit_devices[unit.name]
-            out[device] = out.get(device, 0) + unit.size
+        # units come in runs on one device: one Python step per run, the units summed at C speed
+        for device, run in groupby(zip(map(unit_devices.__getitem__, self.names), self.sizes), key=_NAME):
+            out[device] = out.get(device, 0) + sum(map(_SIZE, run))
         return out
 
     def compact_map(self, unit_devices: Mapping[str, Any]) -> Dict[str, Any]:
         """Smallest device map giving every unit its device, in module order (like accelerate's
         ``clean_device_map``: a module whose units all share a device becomes one entry)."""
+        if self.spans is not None and self.names:
+            return self._compact_by_spans(unit_devices)
 
         def walk(name: str) -> List[Tuple[str, Any]]:
             kids = self.children.get(name)
@@ -129,15 +241,47 @@ class Layout:
             first = entries[0][1]
             kind = type(first)
             for _, device in entries:
-                if type(device) is not kind or device != first:  # 0 and False, 1 and "1" differ
+                if not _same_device(device, first, kind):
                     return entries
             return [(name, first)]
 
         return dict(walk(""))
 
+    def _compact_by_spans(self, unit_devices: Mapping[str, Any]) -> Dict[str, Any]:
+        """:meth:`compact_map` for a layout that knows the units each split module spans: a module
+        is one entry when its first and last units lie in the same run of one device, so only
+        the modules on the way to a device change are visited."""
+        devices = list(map(unit_devices.__getitem__, self.names))
+        run_of = [0] * len(devices)
+        run, previous = 0, devices[0]
+        kind = type(previous)
+        for i, device in enumerate(devices):
+            if not _same_device(device, previous, kind):
+                run, previous, kind = run + 1, device, type(device)
+            run_of[i] = run
+        children, spans = self.children, self.spans
+        out: Dict[str, Any] = {}
+
+        def walk(name: str) -> None:
+            kids = children.get(name)
+            if kids is None:
+                out[name] = unit_devices[name]
+                return
+            start, end = spans[name]
+            if start == end:
+                return
+            if run_of[start] == run_of[end - 1]:
+                out[name] = devices[start]
+                return
+            for kid in kids:
+                walk(kid)
+
+        walk("")
+        return out
+
     def unit_map(self, unit_devices: Mapping[str, Any]) -> Dict[str, Any]:
         """Uncompacted map: one entry per unit (accelerate's ``clean_result=False``)."""
-        return {u.name: unit_devices[u.name] for u in self.units}
+        return {name: unit_devices[name] for name in self.names}
 
 
 def build_layout(
@@ -146,10 +290,10 @@ def build_layout(
     tied_groups: Iterable[Iterable[str]] = (),
 ) -> Layout:
     """Layout from plain data: ``entries`` are (unit name, bytes) in placement order."""
-    units = [Unit(n, int(s)) for n, s in entries]
+    names = [n for n, _ in entries]
     if children is None:
-        children = {"": [u.name for u in units]}
-    layout = Layout(units, children)
+        children = {"": list(names)}
+    layout = Layout.of(names, [int(s) for _, s in entries], children)
     return _with_ties(layout, tied_groups)
 
 
@@ -161,7 +305,7 @@ def _with_ties(layout: Layout, tied_groups: Iterable[Iterable[str]]) -> Layout:
             x = parent[x]
         return x
 
-    order = {u.name: i for i, u in enumerate(layout.units)}
+    order = layout._index
     for group in tied_groups:
         owners = sorted({o for o in (layout.unit_of(p) for p in group if p) if o is not None}, key=order.get)
         for other in owners[1:]:
@@ -172,7 +316,7 @@ def _with_ties(layout: Layout, tied_groups: Iterable[Iterable[str]]) -> Layout:
     followers = {name: find(name) for name in parent if find(name) != name}
     if not followers:
         return layout
-    return Layout(layout.units, layout.children, followers)
+    return Layout.of(layout.names, layout.sizes, layout.children, followers, layout.spans)
 
 
 def _module_entries(module: Any, prefix: str) -> List[Tuple[str, Any]]:
@@ -192,7 +336,7 @@ def _module_entries(module: Any, prefix: str) -> List[Tuple[str, Any]]:
         return out
     for group in own:
         objects = set()
-        for name, obj in group:
+        for name, obj in group.items():
             if obj is None or id(obj) in objects or name in seen:
                 continue
             objects.add(id(obj))
@@ -201,8 +345,8 @@ def _module_entries(module: Any, prefix: str) -> List[Tuple[str, Any]]:
     return out
 
 
-def _own(module: Any) -> Optional[Tuple[Any, Any, Any]]:
-    """The ``_parameters``, ``_modules`` and ``_buffers`` items of a torch module (what its
+def _own(module: Any) -> Optional[Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]]:
+    """The ``_parameters``, ``_modules`` and ``_buffers`` of a torch module (what its
     ``named_*(recurse=False)`` iterate, without the generator machinery), or None."""
     namespace = getattr(module, "__dict__", None)
     if not namespace:
@@ -210,7 +354,7 @@ def _own(module: Any) -> Optional[Tuple[Any, Any, Any]]:
     params, children, buffers = namespace.get("_parameters"), namespace.get("_modules"), namespace.get("_buffers")
     if type(params) is not dict or type(children) is not dict or type(buffers) is not dict:
         return None
-    return params.items(), children.items(), buffers.items()
+    return params, children, buffers
 
 
 def layout_from_module(
@@ -225,37 +369,104 @@ def layout_from_module(
         Bytes per module / tensor name, as computed by the installed stack (accelerate's or
         transformers' ``compute_module_sizes``, which already know the target dtype, the
         quantizer and ``special_dtypes``). Names absent from it count 0 bytes (tied duplicates).
+
+    A model whose every Linear is a block has tens of thousands of units, so the walk over torch
+    modules reads their ``_parameters`` / ``_modules`` / ``_buffers`` directly and decides whether
+    a child is split where it meets it; other objects go through their ``named_*`` methods.
     """
-    no_split = set(no_split_classes or ())
-    children: Dict[str, List[str]] = {}
-    units: List[Unit] = []
+    no_split = frozenset(no_split_classes or ())
+    children: Dict[str, Sequence[str]] = {}
+    spans: Dict[str, Tuple[int, int]] = {}
+    names: List[str] = []
+    add = names.append
 
     def is_splittable(obj: Any) -> bool:
         if type(obj).__name__ in no_split:
             return False
-        children = getattr(obj, "__dict__", {}).get("_modules")
-        if type(children) is dict:  # a torch module
-            return any(child is not None for child in children.values()) if children else False
+        kids = getattr(obj, "__dict__", {}).get("_modules")
+        if type(kids) is dict:  # a torch module
+            return any(child is not None for child in kids.values()) if kids else False
         named_children = getattr(obj, "named_children", None)
         return named_children is not None and next(iter(named_children()), None) is not None
 
     if not is_splittable(model):
-        return Layout([Unit("", int(module_sizes.get("", 0)))])
-    names: List[str] = []
-    add = names.append
+        return Layout.of([""], [int(module_sizes.get("", 0))], spans={})
 
     def visit(name: str, obj: Any) -> None:  # pre-order; depth is the module tree's (a handful)
-        kids = _module_entries(obj, name)
-        children[name] = [k for k, _ in kids]
-        for kid, sub in kids:
-            if is_splittable(sub):
-                visit(kid, sub)
-            else:
-                add(kid)
+        start = len(names)
+        own = _own(obj)
+        if own is None:
+            kids = _module_entries(obj, name)
+            children[name] = tuple(k for k, _ in kids)
+            for kid, sub in kids:
+                if is_splittable(sub):
+                    visit(kid, sub)
+                else:
+                    add(kid)
+            spans[name] = (start, len(names))
+            return
+        params, modules, buffers = own
+        dot = name + "." if name else ""
+        entries: List[str] = []
+        taken: Any = _tensor_entries(params, dot, (), entries, add) if params else ()
+        if modules:
+            record = entries.append
+            objects = None if len(set(map(id, modules.values()))) == len(modules) else set()
+            track = bool(buffers)  # the children's names matter only to the buffers that follow
+            if track:
+                taken = set(taken)
+            for key, sub in modules.items():
+                if sub is None or key in taken:
+                    continue
+                if objects is not None:  # a module under two names: its first one only
+                    if id(sub) in objects:
+                        continue
+                    objects.add(id(sub))
+                if track:
+                    taken.add(key)
+                kid = dot + key
+                record(kid)
+                try:
+                    kids = sub.__dict__.get("_modules")
+                except AttributeError:
+                    kids = None
+                if type(kids) is dict:  # a torch module: split unless childless or no-split
+                    if kids and type(sub).__name__ not in no_split and (
+                        None not in kids.values() or any(c is not None for c in kids.values())
+                    ):
+                        visit(kid, sub)
+                    else:
+                        add(kid)
+                elif is_splittable(sub):
+                    visit(kid, sub)
+                else:
+                    add(kid)
+        if buffers:
+            _tensor_entries(buffers, dot, taken, entries, add)
+        children[name] = tuple(entries)  # a tuple of strings: no object for the collector to follow
+        spans[name] = (start, len(names))
 
     visit("", model)
-    get = module_sizes.get
-    for name in names:
-        size = get(name, 0)
-        units.append(Unit(name, size if type(size) is int else int(round(size))))
-    return _with_ties(Layout(units, children), tied_groups)
+    sizes = list(map(module_sizes.get, names, repeat(0)))
+    if any(type(s) is not int for s in sizes):
+        sizes = list(map(int, map(round, sizes)))
+    return _with_ties(Layout.of(names, sizes, children, spans=spans), tied_groups)
+
+
+def _tensor_entries(tensors: Dict[str, Any], dot: str, taken: Any, entries: List[str], add: Any) -> Any:
+    """A module's own parameters or buffers, each a unit: each tensor once, each name once (not
+    one in ``taken``); returns the names taken, these included."""
+    taken = set(taken)
+    objects = None if len(set(map(id, tensors.values()))) == len(tensors) else set()
+    for key, tensor in tensors.items():
+        if tensor is None or key in taken:
+            continue
+        if objects is not None:  # one tensor under two names: its first one only
+            if id(tensor) in objects:
+                continue
+            objects.add(id(tensor))
+        taken.add(key)
+        kid = dot + key
+        entries.append(kid)
+        add(kid)
+    return taken

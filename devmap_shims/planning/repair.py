@@ -57,7 +57,7 @@ def plan_units(layout: Layout, budgets: Mapping[Any, float], low_zero: bool = Fa
     gpus = gpu_ids(budgets)
     if not gpus:
         return None
-    sizes = [u.size for u in layout.placed]
+    sizes = layout.placed_sizes
     caps = [int(budgets[g]) for g in gpus]
     devices: Optional[List[Any]] = None
     if low_zero and len(gpus) > 1:
@@ -68,7 +68,7 @@ def plan_units(layout: Layout, budgets: Mapping[Any, float], low_zero: bool = Fa
             devices = [gpus[b] for b in assignment]
     if devices is None:
         devices = _with_offload(sizes, gpus, caps, budgets)
-    placed = {u.name: d for u, d in zip(layout.placed, devices)}
+    placed = dict(zip(layout.placed_names, devices))
     for follower, anchor in layout.followers.items():
         placed[follower] = placed[anchor]
     return placed

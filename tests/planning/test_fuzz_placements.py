@@ -36,13 +36,22 @@ from device_map_checks import (
     module_sizes,
     tensor_names,
 )
-from devmap_shims.planning import assess, layout_from_module, lower_bound, plainly_healthy, plan_units, repair
+from devmap_shims.planning import (
+    Layout,
+    assess,
+    layout_from_module,
+    lower_bound,
+    plainly_healthy,
+    plan_units,
+    repair,
+)
 
 EXAMPLES = {
     "rules": 2000,
     "determinism": 600,
     "pass_through": 400,
     "quick_check": 1500,
+    "tree_walk": 400,
 }
 
 
@@ -481,6 +490,25 @@ def test_repair_is_deterministic_and_ignores_insertion_order(case: Case, data):
     tied = [tied[i] for i in data.draw(st.permutations(range(len(tied))))]
     layout = build_layout_for(case.tree, tied)
     assert answer(layout, original, budgets) == first
+
+
+@fuzz_settings("tree_walk")
+@given(case=cases())
+def test_the_module_tree_reads_and_writes_maps_as_the_names_do(case: Case):
+    """A layout walked from a module reads a map (``unit_devices``) and writes one
+    (``compact_map``) down the module tree; the same units without the tree's spans do both by
+    name prefixes: the answers are equal, entry for entry and in order."""
+    STATS["examples"]["tree_walk"] += 1
+    layout = case.layout
+    assert layout.spans is not None
+    by_name = Layout.of(layout.names, layout.sizes, layout.children, layout.followers)
+    read = layout.unit_devices(case.original)
+    assert read == by_name.unit_devices(case.original)
+    if read is not None:
+        assert list(read) == layout.names
+    for units in (plan_units(layout, case.budgets, case.low_zero), read):
+        if units:
+            assert list(layout.compact_map(units).items()) == list(by_name.compact_map(units).items())
 
 
 # -- regressions found by the fuzzer --------------------------------------------------------------

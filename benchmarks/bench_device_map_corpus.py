@@ -20,8 +20,10 @@ experts (one module with gate / up / down ``nn.Linear`` per expert, as transform
 them; transformers 5 fuses each layer's experts into one module of 3-D parameters, so there the
 fused module is replaced by transformers' own ``DeepseekV3MLP`` per expert), 8 to 256 experts per
 layer, 4-bit on 8x80 GiB, its blocks whole decoder layers (the model's ``_no_split_modules``) and
-then every Linear (nothing unsplittable above a leaf module): the time the shim adds against the
-module count. Target: under 0.3 s at 256 experts.
+then every Linear (nothing unsplittable above a leaf module): against the module count, the
+shim's own work (its decision, layout walk and repair, timed inside the shimmed steps) and the
+side-by-side difference of the whole step, with the spread of the library's own step between
+rounds. Target: the shim's own work under 0.3 s at 256 experts.
 
     python benchmarks/bench_device_map_corpus.py [--rounds 9] [--models llama-3.1-8b,deepseek-v3]
         [--quantizations none,4bit] [--topologies 8x23,8x80] [--quick] [--json]

@@ -411,17 +411,10 @@ def layout_from_module(
         taken: Any = _tensor_entries(params, dot, (), entries, add) if params else ()
         if modules:
             record = entries.append
-            objects = None if len(set(map(id, modules.values()))) == len(modules) else set()
             track = bool(buffers)  # the children's names matter only to the buffers that follow
             if track:
                 taken = set(taken)
-            for key, sub in modules.items():
-                if sub is None or key in taken:
-                    continue
-                if objects is not None:  # a module under two names: its first one only
-                    if id(sub) in objects:
-                        continue
-                    objects.add(id(sub))
+            for key, sub in _once(modules, taken):
                 if track:
                     taken.add(key)
                 kid = dot + key
@@ -453,18 +446,27 @@ def layout_from_module(
     return _with_ties(Layout.of(names, sizes, children, spans=spans), tied_groups)
 
 
+def _once(entries: Dict[str, Any], taken: Any) -> Iterable[Tuple[str, Any]]:
+    """``entries``' items as torch's ``named_*`` yield them: no None, each object under its first
+    name only; and no name in ``taken``. The usual dict, with none of these, is returned as it is."""
+    ids = set(map(id, entries.values()))  # ids, not values: a tensor compared with None dispatches
+    if len(ids) == len(entries) and id(None) not in ids and not (taken and not taken.isdisjoint(entries)):
+        return entries.items()
+    objects = set()
+    out = []
+    for key, obj in entries.items():
+        if obj is None or key in taken or id(obj) in objects:
+            continue
+        objects.add(id(obj))
+        out.append((key, obj))
+    return out
+
+
 def _tensor_entries(tensors: Dict[str, Any], dot: str, taken: Any, entries: List[str], add: Any) -> Any:
     """A module's own parameters or buffers, each a unit: each tensor once, each name once (not
     one in ``taken``); returns the names taken, these included."""
     taken = set(taken)
-    objects = None if len(set(map(id, tensors.values()))) == len(tensors) else set()
-    for key, tensor in tensors.items():
-        if tensor is None or key in taken:
-            continue
-        if objects is not None:  # one tensor under two names: its first one only
-            if id(tensor) in objects:
-                continue
-            objects.add(id(tensor))
+    for key, _tensor in _once(tensors, taken):
         taken.add(key)
         kid = dot + key
         entries.append(kid)

@@ -74,3 +74,17 @@ def test_a_large_layout_leaves_a_handful_of_objects_for_the_collector():
     outcome, tracked = tracked_after_collection(lambda: repair(layout, collapsed, budgets))
     assert outcome.repaired and len(set(plan_units(layout, budgets).values())) == 4
     assert tracked < 60, tracked
+
+
+def test_the_direct_walk_names_each_object_once_and_each_name_once():
+    """As torch's ``named_*`` do: no None child, a module under two names under its first only; a
+    buffer named like a child already met is dropped."""
+    shared = Linear()
+    model = Module(
+        {"a": shared, "b": None, "c": shared, "d": Linear()},
+        params={"w": object()},
+        buffers={"d": object(), "e": object()},
+    )
+    layout = layout_from_module(model, {"a": 3, "d": 5})
+    assert [(u.name, u.size) for u in layout.units] == [("w", 0), ("a", 3), ("d", 5), ("e", 0)]
+    assert layout.children == {"": ("w", "a", "d", "e")}

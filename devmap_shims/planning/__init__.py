@@ -9,7 +9,8 @@ GPU ids.
 from __future__ import annotations
 
 from devmap_shims.planning.assess import TOLERANCE, Assessment, assess, lower_bound, plainly_healthy
-from devmap_shims.planning.layout import Layout, Unit, build_layout, layout_from_module
+from devmap_shims.planning.layout import Layout, Unit, build_layout
+from devmap_shims.planning.module_walk import layout_from_module
 from devmap_shims.planning.repair import RepairOutcome, plan_units, repair
 from devmap_shims.planning.sizes import TopologyError, format_bytes, parse_gpus, parse_size
 

@@ -10,17 +10,16 @@ Tied weights (a tied ``lm_head`` sharing ``embed_tokens.weight``) must share a d
 units of a tied group *follow* the earliest one: they are removed from the sequence that gets
 partitioned and are given their anchor's device, which is what accelerate's own placer does.
 
-:func:`layout_from_module` reads an ``nn.Module`` by duck typing (``named_children`` &
-co.), so this module imports no torch; :class:`Layout` can also be built from plain data.
+:func:`~devmap_shims.planning.module_walk.layout_from_module` builds a :class:`Layout` from an
+``nn.Module``; :func:`build_layout` builds one from plain data. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-from itertools import groupby, repeat
+from itertools import groupby
 from operator import itemgetter
 from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-_NO_DICT: Dict[str, Any] = {}
 _NAME, _SIZE = itemgetter(0), itemgetter(1)  # of a Unit, at C speed
 _NOT_IN_TREE = object()
 
@@ -64,8 +63,7 @@ class Layout:
         followers: Optional[Dict[str, str]] = None,
     ) -> None:
         pairs = list(units)
-        self._set(list(map(_NAME, pairs)), list(map(_SIZE, pairs)), children, followers)
-        self.spans: Optional[Dict[str, Tuple[int, int]]] = None
+        self._set(list(map(_NAME, pairs)), list(map(_SIZE, pairs)), children, followers, None)
 
     @classmethod
     def of(
@@ -79,15 +77,15 @@ class Layout:
         """A layout of units given as two parallel lists (kept, not copied). ``spans``: for every
         split module, the range of unit indexes under it (what :func:`layout_from_module` walks)."""
         layout = cls.__new__(cls)
-        layout._set(names, sizes, children, followers)
-        layout.spans = spans
+        layout._set(names, sizes, children, followers, spans)
         return layout
 
     def _set(
         self, names: List[str], sizes: List[int], children: Optional[Dict[str, Sequence[str]]],
-        followers: Optional[Dict[str, str]],
+        followers: Optional[Dict[str, str]], spans: Optional[Dict[str, Tuple[int, int]]],
     ) -> None:
         self.names, self.sizes = names, sizes
+        self.spans = spans
         self.children: Dict[str, Sequence[str]] = children if children is not None else {}
         self.followers: Dict[str, str] = followers if followers is not None else {}
         self._index = dict(zip(names, range(len(names))))
@@ -154,20 +152,9 @@ class Layout:
                     device = found[parent] = device_of(parent)
             return device
 
-        devices = []
-        keep = devices.append
-        for name in self.names:
-            device = get(name, missing)
-            if device is missing:
-                if not name:
-                    return None
-                parent = name.rpartition(".")[0]
-                device = look(parent, missing)
-                if device is missing:
-                    device = found[parent] = device_of(parent)
-                    if device is missing:
-                        return None
-            keep(device)
+        devices = list(map(device_of, self.names))
+        if missing in devices:
+            return None
         for key in device_map:
             probe = key.rpartition(".")[0] if key else ""
             while probe:
@@ -294,10 +281,11 @@ def build_layout(
     if children is None:
         children = {"": list(names)}
     layout = Layout.of(names, [int(s) for _, s in entries], children)
-    return _with_ties(layout, tied_groups)
+    return with_ties(layout, tied_groups)
 
 
-def _with_ties(layout: Layout, tied_groups: Iterable[Iterable[str]]) -> Layout:
+def with_ties(layout: Layout, tied_groups: Iterable[Iterable[str]]) -> Layout:
+    """``layout`` with the later units of each tied group following the earliest one."""
     parent: Dict[str, str] = {}
 
     def find(x: str) -> str:
@@ -317,158 +305,3 @@ def _with_ties(layout: Layout, tied_groups: Iterable[Iterable[str]]) -> Layout:
     if not followers:
         return layout
     return Layout.of(layout.names, layout.sizes, layout.children, followers, layout.spans)
-
-
-def _module_entries(module: Any, prefix: str) -> List[Tuple[str, Any]]:
-    """``module``'s own parameters, children and own buffers, in that order, full names; each
-    object once (a second name for the same tensor or module is dropped, as torch's ``named_*``
-    drop it), each name once."""
-    own = _own(module)
-    seen = set()
-    out = []
-    if own is None:  # not a torch module: its named_* methods say what it holds, once each
-        for group in (module.named_parameters(recurse=False), module.named_children(),
-                      module.named_buffers(recurse=False)):
-            for name, obj in group:
-                if name not in seen:
-                    seen.add(name)
-                    out.append((f"{prefix}.{name}" if prefix else name, obj))
-        return out
-    for group in own:
-        objects = set()
-        for name, obj in group.items():
-            if obj is None or id(obj) in objects or name in seen:
-                continue
-            objects.add(id(obj))
-            seen.add(name)
-            out.append((f"{prefix}.{name}" if prefix else name, obj))
-    return out
-
-
-def _own(module: Any) -> Optional[Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]]:
-    """The ``_parameters``, ``_modules`` and ``_buffers`` of a torch module (what its
-    ``named_*(recurse=False)`` iterate, without the generator machinery), or None."""
-    namespace = getattr(module, "__dict__", None)
-    if not namespace:
-        return None
-    params, children, buffers = namespace.get("_parameters"), namespace.get("_modules"), namespace.get("_buffers")
-    if type(params) is not dict or type(children) is not dict or type(buffers) is not dict:
-        return None
-    return params, children, buffers
-
-
-def layout_from_module(
-    model: Any,
-    module_sizes: Mapping[str, float],
-    no_split_classes: Iterable[str] = (),
-    tied_groups: Iterable[Iterable[str]] = (),
-) -> Layout:
-    """Walk ``model`` the way accelerate's placer does.
-
-    module_sizes:
-        Bytes per module / tensor name, as computed by the installed stack (accelerate's or
-        transformers' ``compute_module_sizes``, which already know the target dtype, the
-        quantizer and ``special_dtypes``). Names absent from it count 0 bytes (tied duplicates).
-
-    A model whose every Linear is a block has tens of thousands of units, so the walk over torch
-    modules reads their ``_parameters`` / ``_modules`` / ``_buffers`` directly and decides whether
-    a child is split where it meets it; other objects go through their ``named_*`` methods.
-    """
-    no_split = frozenset(no_split_classes or ())
-    children: Dict[str, Sequence[str]] = {}
-    spans: Dict[str, Tuple[int, int]] = {}
-    names: List[str] = []
-    add = names.append
-
-    def is_splittable(obj: Any) -> bool:
-        if type(obj).__name__ in no_split:
-            return False
-        kids = getattr(obj, "__dict__", {}).get("_modules")
-        if type(kids) is dict:  # a torch module
-            return any(child is not None for child in kids.values()) if kids else False
-        named_children = getattr(obj, "named_children", None)
-        return named_children is not None and next(iter(named_children()), None) is not None
-
-    if not is_splittable(model):
-        return Layout.of([""], [int(module_sizes.get("", 0))], spans={})
-
-    def visit(name: str, obj: Any) -> None:  # pre-order; depth is the module tree's (a handful)
-        start = len(names)
-        own = _own(obj)
-        if own is None:
-            kids = _module_entries(obj, name)
-            children[name] = tuple(k for k, _ in kids)
-            for kid, sub in kids:
-                if is_splittable(sub):
-                    visit(kid, sub)
-                else:
-                    add(kid)
-            spans[name] = (start, len(names))
-            return
-        params, modules, buffers = own
-        dot = name + "." if name else ""
-        entries: List[str] = []
-        taken: Any = _tensor_entries(params, dot, (), entries, add) if params else ()
-        if modules:
-            record = entries.append
-            track = bool(buffers)  # the children's names matter only to the buffers that follow
-            if track:
-                taken = set(taken)
-            for key, sub in _once(modules, taken):
-                if track:
-                    taken.add(key)
-                kid = dot + key
-                record(kid)
-                try:
-                    kids = sub.__dict__.get("_modules")
-                except AttributeError:
-                    kids = None
-                if type(kids) is dict:  # a torch module: split unless childless or no-split
-                    if kids and type(sub).__name__ not in no_split and (
-                        None not in kids.values() or any(c is not None for c in kids.values())
-                    ):
-                        visit(kid, sub)
-                    else:
-                        add(kid)
-                elif is_splittable(sub):
-                    visit(kid, sub)
-                else:
-                    add(kid)
-        if buffers:
-            _tensor_entries(buffers, dot, taken, entries, add)
-        children[name] = tuple(entries)  # a tuple of strings: no object for the collector to follow
-        spans[name] = (start, len(names))
-
-    visit("", model)
-    sizes = list(map(module_sizes.get, names, repeat(0)))
-    if any(type(s) is not int for s in sizes):
-        sizes = list(map(int, map(round, sizes)))
-    return _with_ties(Layout.of(names, sizes, children, spans=spans), tied_groups)
-
-
-def _once(entries: Dict[str, Any], taken: Any) -> Iterable[Tuple[str, Any]]:
-    """``entries``' items as torch's ``named_*`` yield them: no None, each object under its first
-    name only; and no name in ``taken``. The usual dict, with none of these, is returned as it is."""
-    ids = set(map(id, entries.values()))  # ids, not values: a tensor compared with None dispatches
-    if len(ids) == len(entries) and id(None) not in ids and not (taken and not taken.isdisjoint(entries)):
-        return entries.items()
-    objects = set()
-    out = []
-    for key, obj in entries.items():
-        if obj is None or key in taken or id(obj) in objects:
-            continue
-        objects.add(id(obj))
-        out.append((key, obj))
-    return out
-
-
-def _tensor_entries(tensors: Dict[str, Any], dot: str, taken: Any, entries: List[str], add: Any) -> Any:
-    """A module's own parameters or buffers, each a unit: each tensor once, each name once (not
-    one in ``taken``); returns the names taken, these included."""
-    taken = set(taken)
-    for key, _tensor in _once(tensors, taken):
-        taken.add(key)
-        kid = dot + key
-        entries.append(kid)
-        add(kid)
-    return taken

@@ -16,8 +16,9 @@ partitioned and are given their anchor's device, which is what accelerate's own 
 
 from __future__ import annotations
 
-from itertools import groupby
-from operator import itemgetter
+from bisect import bisect_right
+from itertools import compress, count, groupby
+from operator import itemgetter, ne
 from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 _NAME, _SIZE = itemgetter(0), itemgetter(1)  # of a Unit, at C speed
@@ -239,13 +240,11 @@ class Layout:
         is one entry when its first and last units lie in the same run of one device, so only
         the modules on the way to a device change are visited."""
         devices = list(map(unit_devices.__getitem__, self.names))
-        run_of = [0] * len(devices)
-        run, previous = 0, devices[0]
-        kind = type(previous)
-        for i, device in enumerate(devices):
-            if not _same_device(device, previous, kind):
-                run, previous, kind = run + 1, device, type(device)
-            run_of[i] = run
+        # where a new run of one device begins, compared at C speed; devices of more than one
+        # type are compared as (type, device) pairs, so 0 and False, 1 and "1" differ as in
+        # _same_device
+        keyed = devices if len(set(map(type, devices))) == 1 else list(zip(map(type, devices), devices))
+        changes = list(compress(count(1), map(ne, keyed[1:], keyed)))
         children, spans = self.children, self.spans
         out: Dict[str, Any] = {}
 
@@ -257,7 +256,7 @@ class Layout:
             start, end = spans[name]
             if start == end:
                 return
-            if run_of[start] == run_of[end - 1]:
+            if bisect_right(changes, start) == bisect_right(changes, end - 1):  # one run
                 out[name] = devices[start]
                 return
             for kid in kids:

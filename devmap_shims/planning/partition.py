@@ -16,7 +16,7 @@ forward from GPU i to GPU j > i). Two questions are answered exactly:
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from itertools import accumulate
 from typing import List, Optional, Sequence
 
@@ -46,11 +46,12 @@ def _greedy_end(prefix: Sequence[int], caps: Sequence[int]) -> int:
     return i
 
 
-def min_max_cap(sizes: Sequence[int], caps: Sequence[int]) -> Optional[int]:
-    """Smallest per-bin load limit that lets all items fit (None when they never fit)."""
+def min_max_cap(sizes: Sequence[int], caps: Sequence[int], prefix: Optional[List[int]] = None) -> Optional[int]:
+    """Smallest per-bin load limit that lets all items fit (None when they never fit);
+    ``prefix``: the sizes' prefix sums, when the caller has them."""
     if not sizes:
         return 0
-    prefix = _prefix(sizes)
+    prefix = prefix if prefix is not None else _prefix(sizes)
     u = len(sizes)
     if not caps or _greedy_end(prefix, caps) != u:
         return None
@@ -68,25 +69,24 @@ def min_max_cap(sizes: Sequence[int], caps: Sequence[int]) -> Optional[int]:
 
 def _earliest_starts(sizes: Sequence[int], caps: Sequence[int], prefix: Sequence[int]) -> List[int]:
     """start[b]: the smallest item index j such that items j.. fit into bins b.. (backward
-    greedy, exact by the same exchange argument as the forward one)."""
+    greedy, exact by the same exchange argument as the forward one). Each bin's run is found by
+    bisection on the prefix sums, as in the forward pass."""
     n, u = len(caps), len(sizes)
     start = [u] * (n + 1)
     for b in range(n - 1, -1, -1):
-        j = start[b + 1]
-        while j > 0 and prefix[start[b + 1]] - prefix[j - 1] <= caps[b]:
-            j -= 1
-        start[b] = j
+        end = start[b + 1]
+        start[b] = bisect_left(prefix, prefix[end] - caps[b], 0, end)
     return start
 
 
-def spread(sizes: Sequence[int], caps: Sequence[int]) -> Optional[List[int]]:
+def spread(sizes: Sequence[int], caps: Sequence[int], prefix: Optional[List[int]] = None) -> Optional[List[int]]:
     """Bin index of every item, each bin at most ``caps[b]``, loads as even as the items allow.
 
     Returns None when the items do not fit. ``caps`` are typically ``min(T, capacity)`` with
     ``T`` from :func:`min_max_cap`.
     """
     u, n = len(sizes), len(caps)
-    prefix = _prefix(sizes)
+    prefix = prefix if prefix is not None else _prefix(sizes)
     start = _earliest_starts(sizes, caps, prefix)
     if start[0] != 0:
         return None
@@ -117,7 +117,8 @@ def spread(sizes: Sequence[int], caps: Sequence[int]) -> Optional[List[int]]:
 
 def balanced_assignment(sizes: Sequence[int], capacities: Sequence[int]) -> Optional[List[int]]:
     """Min-max contiguous partition, spread evenly: bin index per item (None if it never fits)."""
-    cap = min_max_cap(sizes, capacities)
+    prefix = _prefix(sizes)
+    cap = min_max_cap(sizes, capacities, prefix)
     if cap is None:
         return None
-    return spread(sizes, [min(cap, c) for c in capacities])
+    return spread(sizes, [min(cap, c) for c in capacities], prefix)

@@ -6,6 +6,7 @@ import pytest
 
 from devmap_shims.planning import assess, build_layout, layout_from_module, plan_units, repair
 from devmap_shims.planning.assess import COLLAPSED, IMBALANCED, OFFLOADED, OK, SKIPPED
+from devmap_shims.planning.layout import Layout
 
 G = 1000  # one "GiB" in these toy models
 
@@ -201,6 +202,25 @@ class FakeModule:
 
 class DecoderLayer(FakeModule):
     pass
+
+
+def test_compact_map_keeps_devices_of_different_types_apart():
+    """0 and False, 1 and "1" are equal in Python but not the same placement to accelerate: a
+    compact map never merges them into one entry, down the module tree (a walked layout) as by
+    name (a layout from plain data)."""
+    block = FakeModule([("a", FakeModule()), ("b", FakeModule())])
+    walked = layout_from_module(FakeModule([("block", block), ("head", FakeModule())]), {})
+    assert walked.spans is not None
+    by_name = Layout.of(walked.names, walked.sizes, walked.children)
+    cases = [
+        ({"block.a": 0, "block.b": False, "head": False}, {"block.a": 0, "block.b": False, "head": False}),
+        ({"block.a": 1, "block.b": "1", "head": 1}, {"block.a": 1, "block.b": "1", "head": 1}),
+        ({"block.a": 0, "block.b": 0, "head": 1}, {"block": 0, "head": 1}),
+        ({"block.a": "cpu", "block.b": "cpu", "head": "cpu"}, {"": "cpu"}),
+    ]
+    for units, expected in cases:
+        assert walked.compact_map(units) == expected
+        assert by_name.compact_map(units) == expected
 
 
 def test_layout_from_module_walks_like_accelerate():

@@ -206,16 +206,22 @@ def check_map(
 
     if len(active) >= 2 and total > TOLERANCE * bound and len(used) < 2:
         violations.append(f"collapsed onto GPU {used}")
+    seq = [seq_size[u] for u in sequence]
+    devices = [resolve(device_map, u) for u in sequence]
     first_unit_on: Dict[Any, int] = {}
-    for u in sequence:
-        first_unit_on.setdefault(resolve(device_map, u), seq_size[u])
+    for size, device in zip(seq, devices):
+        if size:  # a unit without bytes (a deduplicated tied weight) opens nothing
+            first_unit_on.setdefault(device, size)
+    room = {g: budgets[g] for g in gpus}
+    if offloaded and gpus:  # GPU 0 keeps room to stream the largest offloaded block back in
+        room[gpus[0]] = max(0, room[gpus[0]] - max((s for s, d in zip(seq, devices) if d not in loads), default=0))
     for i, g in enumerate(active):
         later = [h for h in active[i + 1:] if loads[h] > 0]
-        if loads[g] == 0 and later and budgets[g] >= first_unit_on[later[0]]:
+        if loads[g] == 0 and later and room[g] >= first_unit_on[later[0]]:
             violations.append(f"GPU {g} skipped although it could hold the next block")
-    gpu_budget = sum(budgets[g] for g in gpus)
-    if offloaded and total <= gpu_budget - largest:
-        violations.append(f"{offloaded} B offloaded although the GPUs' budgets hold the whole model")
+    # offload is avoidable only when the units, in order and whole, fit on the GPUs
+    if offloaded and exact_contiguous_optimum(seq, [budgets[g] for g in gpus]) is not None:
+        violations.append(f"{offloaded} B offloaded although the units fit on the GPUs in order")
 
     caps = [budgets[g] for g in active]
     optimum = exact_contiguous_optimum([seq_size[u] for u in sequence], caps) if not offloaded else None

@@ -90,3 +90,30 @@ def test_fixture_describes_the_published_parameter_count(fixture):
     published = fixture["parameters_billion"] * 1e9
     assert abs(total - published) / published < 0.01, (
         f"{total / 1e9:.2f}B built, {fixture['parameters_billion']}B published")
+
+
+def test_the_benchmark_checks_keep_room_on_gpu_0_for_an_offloaded_block():
+    """DeepSeek-V3 in 4-bit on 8x23 GiB, four layers: where the installed transformers keeps an MoE
+    layer's experts unquantized (fused 3-D parameters), the layer is larger than any GPU's budget,
+    so it is offloaded whatever the split, and accelerate keeps room for it on GPU 0, which then
+    holds nothing. The benchmark's rule checks (``device_map_checks.check_map``) must not call that
+    map a skipped GPU or an avoidable offload: no contiguous split does better."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("bitsandbytes")
+    from device_map_checks import budgets_for, check_map, library_sizes
+
+    from devmap_shims.cli import device_map_step as stack
+
+    fixture = bench.load_fixtures(["deepseek-v3"])[0]
+    meta = stack.build_meta_model(_config(fixture, num_hidden_layers=4), bench.DTYPE, "4bit")
+    max_memory = bench.max_memory(8, 23)
+    budgets = budgets_for(meta, max_memory)
+    sizes = library_sizes(meta, bench.STRATEGY)
+    largest_layer = max(sizes[f"model.layers.{i}"] for i in range(4))
+    if largest_layer <= budgets[0]:
+        pytest.skip("this transformers quantizes every expert: each layer fits on one GPU, nothing is offloaded")
+    shimmed = stack.device_map_step(meta, bench.STRATEGY, max_memory, shim=True)
+    report = check_map(meta, shimmed, budgets, bench.STRATEGY, sizes)
+    assert report.offloaded >= largest_layer
+    assert 0 not in report.gpus_used and report.gpus_used
+    assert report.violations == []

@@ -73,6 +73,11 @@ def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
             return
     try:
         owner, name, raw = wrapping.resolve(module, target.qualname)
+        if registry.pending_rebinds and any(e.original is raw for e in registry.pending_rebinds):
+            # a by-name copy of a function armed in this batch: rebind first, as arming one at a
+            # time would have, so this target is wrapped over that layer
+            flush_rebinds(registry)
+            owner, name, raw = wrapping.resolve(module, target.qualname)
     except AttributeError as exc:
         entry.state, entry.reason = SKIPPED, f"target missing: {exc} (the library changed; shim not applied)"
         return
@@ -106,7 +111,10 @@ def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
     registry.armed_count += 1
     entry.seq = registry.armed_count
     if not isinstance(owner, type):
-        entry.rebound = wrapping.rebind_aliases(raw, layer)
+        if registry.pending_rebinds is not None:
+            registry.pending_rebinds.append(entry)
+        else:
+            entry.rebound = wrapping.rebind_aliases(raw, layer)
     entry.state = ACTIVE
     entry.reason = "forced outside its range" if not applies else why
     logger().info("%s active on %s (fixes %s)", shim.id, target.key, ", ".join(shim.fixes))
@@ -146,15 +154,39 @@ def _watch_entries(registry: Registry, entries: List[TargetEntry]) -> None:
             raise exc  # strict mode: the import fails with the shim's error
         registry.warn(f"post-import hook for {module_name} failed ({type(exc).__name__}: {exc}); import went on")
 
-    for target_entry in entries:
-        if target_entry.state != PENDING or target_entry.hook is not None:
-            continue
+    # targets in modules already imported are armed right here; their by-name copies are rebound
+    # in one pass at the end instead of one pass over sys.modules per target
+    outermost = registry.pending_rebinds is None
+    if outermost:
+        registry.pending_rebinds = []
+    try:
+        for target_entry in entries:
+            if target_entry.state != PENDING or target_entry.hook is not None:
+                continue
 
-        def hook(module: Any, _entry: TargetEntry = target_entry) -> None:
-            arm(registry, _entry, module)
+            def hook(module: Any, _entry: TargetEntry = target_entry) -> None:
+                arm(registry, _entry, module)
 
-        target_entry.hook = hook
-        importhook.when_imported(target_entry.target.module, hook, on_error)
+            target_entry.hook = hook
+            importhook.when_imported(target_entry.target.module, hook, on_error)
+    finally:
+        if outermost:
+            flush_rebinds(registry)
+            registry.pending_rebinds = None
+
+
+def flush_rebinds(registry: Registry) -> None:
+    """Rebind the by-name copies of every layer armed since the batch began (one pass)."""
+    from devmap_shims.shims import wrapping
+
+    pending = [e for e in registry.pending_rebinds or () if e.layer is not None and e.state == ACTIVE]
+    if registry.pending_rebinds:
+        registry.pending_rebinds.clear()
+    if not pending:
+        return
+    found = wrapping.rebind_many([(e.original, e.layer) for e in pending])
+    for entry, rebound in zip(pending, found):
+        entry.rebound = rebound
 
 
 def unwatch_and_unwrap(registry: Registry) -> None:

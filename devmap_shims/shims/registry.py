@@ -142,6 +142,9 @@ class Registry:
         self.warnings_dropped = 0
         self._warned: set = set()
         self.armed_count = 0
+        # while watch() arms the targets of modules already imported: the entries whose by-name
+        # copies are still to be rebound, in one pass over sys.modules at the end (None otherwise)
+        self.pending_rebinds: Optional[List[TargetEntry]] = None
         self._matrix: Any = None
         self._versions: Optional[Dict[str, Optional[str]]] = None
 

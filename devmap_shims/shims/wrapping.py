@@ -228,7 +228,19 @@ def rebind_aliases(original: Any, replacement: Any, skip_prefixes: Tuple[str, ..
     ``__dict__`` so lazy modules' ``__getattr__`` is never triggered) and returns
     ``[(module name, attribute)]`` (what ``status()`` reports as rebound).
     """
-    rebound = []
+    return rebind_many([(original, replacement)], skip_prefixes)[0]
+
+
+def rebind_many(
+    pairs: List[Tuple[Any, Any]], skip_prefixes: Tuple[str, ...] = ("devmap_shims",)
+) -> List[List[Tuple[str, str]]]:
+    """:func:`rebind_aliases` for several ``(original, replacement)`` pairs in one pass over
+    ``sys.modules`` (a pass reads every module's namespace: with torch and transformers imported,
+    thousands of modules). A replacement that is the original of a later pair (a second layer on
+    the same function) is followed to the last, as separate passes in that order would. Returns,
+    per pair, the ``(module name, attribute)`` copies it rebound."""
+    index = {id(original): k for k, (original, _) in enumerate(pairs)}
+    rebound: List[List[Tuple[str, str]]] = [[] for _ in pairs]
     for mod_name, module in list(sys.modules.items()):
         if module is None or mod_name.startswith(skip_prefixes):
             continue
@@ -237,12 +249,21 @@ def rebind_aliases(original: Any, replacement: Any, skip_prefixes: Tuple[str, ..
         except Exception:
             continue
         try:
-            hits = [key for key, value in list(namespace.items()) if value is original]
+            hits = [(key, value) for key, value in list(namespace.items()) if id(value) in index]
         except Exception:
             continue
-        for key in hits:
-            namespace[key] = replacement
-            rebound.append((mod_name, key))
+        for key, value in hits:
+            k = index[id(value)]
+            if pairs[k][0] is not value:
+                continue
+            while True:
+                rebound[k].append((mod_name, key))
+                value = pairs[k][1]
+                later = index.get(id(value))
+                if later is None or later <= k or pairs[later][0] is not value:
+                    break
+                k = later
+            namespace[key] = value
     return rebound
 
 

@@ -61,6 +61,46 @@ def test_import_then_install_rebinds_by_name_copies(fake_stack):
     assert fakeconsumer.use(3) == 6
 
 
+def test_targets_already_imported_are_rebound_in_one_pass_over_sys_modules(fake_stack, monkeypatch):
+    """With torch and transformers imported a pass over sys.modules reads thousands of namespaces:
+    install() arms every target already imported, then rebinds all their by-name copies at once."""
+    import fakeconsumer
+    import fakelib.core
+
+    passes = []
+    real = wrapping.rebind_many
+    monkeypatch.setattr(wrapping, "rebind_many", lambda pairs, *a: passes.append(len(pairs)) or real(pairs, *a))
+    shim = Shim("fake-fix", ("fake-bug",), (Target("fakelib.core", "compute"), Target("fakelib.core", "fragile")), add_one)
+    devmap_shims.register(shim, matrix_rows=[fake_row(spec=">=1.0,<2.0", fixed_in={"fakelib": "2.0.0"})])
+    devmap_shims.install(only=["fake-fix"])
+    assert passes == [2]
+    assert fakeconsumer.compute(3) == 7 and fakelib.compute(3) == 7 and fakelib.core.compute(3) == 7
+    targets = {t["target"].rpartition(":")[2]: t for t in shim_status()["targets"]}
+    assert {"fakeconsumer.compute", "fakeconsumer.compute_again", "fakelib.compute"} <= set(targets["compute"]["rebound"])
+    assert targets["fragile"]["state"] == "active"
+
+
+@pytest.mark.parametrize("order", [("on-definition", "on-copy"), ("on-copy", "on-definition")])
+def test_a_shim_on_a_by_name_copy_wraps_the_layer_armed_in_the_same_install(fake_stack, order):
+    """One shim wraps ``fakelib.core.compute``, another the copy ``fakeconsumer.compute``, both
+    modules imported before install(): every name ends with both layers, whichever arms first, as
+    when each target's copies were rebound as soon as it was armed."""
+    import fakeconsumer
+    import fakelib.core
+
+    original = fakelib.core.compute
+    targets = {"on-definition": Target("fakelib.core", "compute"), "on-copy": Target("fakeconsumer", "compute")}
+    for name in order:
+        devmap_shims.register(
+            Shim(name, (f"bug-{name}",), (targets[name],), add_one),
+            matrix_rows=[fake_row(bug_id=f"bug-{name}", spec=">=1.0,<2.0", fixed_in={"fakelib": "2.0.0"})],
+        )
+    devmap_shims.install(only=list(order))
+    assert fakelib.core.compute(3) == 8 and fakeconsumer.compute(3) == 8 and fakelib.compute(3) == 8
+    devmap_shims.uninstall()
+    assert fakelib.core.compute is original and fakeconsumer.compute is original and fakelib.compute is original
+
+
 def test_copies_made_while_installed_are_undone_by_uninstall_and_follow_the_next_install(fake_stack):
     """A module imported while the shims are on copies the wrapper itself (transformers imported
     inside a replay copies accelerate's wrapped functions): uninstall must take those copies back

@@ -103,6 +103,33 @@ def exact_contiguous_optimum(sizes: Sequence[int], caps: Sequence[float]) -> Opt
     return None if best[u] == inf else best[u]
 
 
+def avoidable_skips(
+    seq: Sequence[int], devices: Sequence[Any], loads: Mapping[int, int], gpus: Sequence[int],
+    active: Sequence[int], budgets: Mapping[Any, float], offloaded: int,
+) -> List[int]:
+    """The GPUs of ``active`` left empty before a used one although their budget holds the
+    modules that open the next used GPU (up to the first with bytes); GPU 0, when something is
+    offloaded, after keeping room to stream the largest offloaded block back in, as accelerate
+    does. ``seq`` / ``devices``: the unit sequence's bytes and devices."""
+    room = {g: float(budgets[g]) for g in gpus}
+    if offloaded and gpus:
+        room[gpus[0]] = max(0.0, room[gpus[0]] - max((s for s, d in zip(seq, devices) if d not in loads), default=0))
+    skips = []
+    for i, g in enumerate(active):
+        later = [h for h in active[i + 1:] if loads[h]]
+        if loads[g] or not later:
+            continue
+        opening = 0
+        for s, d in zip(seq, devices):
+            if d == later[0]:
+                opening += s
+                if s:
+                    break
+        if opening <= room[g]:
+            skips.append(g)
+    return skips
+
+
 @dataclass
 class MapReport:
     bytes_per_device: Dict[Any, int]
@@ -195,7 +222,9 @@ def check_map(
     # contiguity: GPUs in order, then cpu, then disk
     rank = {g: i for i, g in enumerate(gpus)}
     rank.update({"cpu": len(gpus), "disk": len(gpus) + 1})
-    ranks = [rank.get(resolve(device_map, u), -1) for u in sequence]
+    seq = [seq_size[u] for u in sequence]
+    devices = [resolve(device_map, u) for u in sequence]
+    ranks = [rank.get(d, -1) for d in devices]
     if ranks != sorted(ranks):
         violations.append("modules are not placed contiguously in module order")
 
@@ -206,25 +235,14 @@ def check_map(
 
     if len(active) >= 2 and total > TOLERANCE * bound and len(used) < 2:
         violations.append(f"collapsed onto GPU {used}")
-    seq = [seq_size[u] for u in sequence]
-    devices = [resolve(device_map, u) for u in sequence]
-    first_unit_on: Dict[Any, int] = {}
-    for size, device in zip(seq, devices):
-        if size:  # a unit without bytes (a deduplicated tied weight) opens nothing
-            first_unit_on.setdefault(device, size)
-    room = {g: budgets[g] for g in gpus}
-    if offloaded and gpus:  # GPU 0 keeps room to stream the largest offloaded block back in
-        room[gpus[0]] = max(0, room[gpus[0]] - max((s for s, d in zip(seq, devices) if d not in loads), default=0))
-    for i, g in enumerate(active):
-        later = [h for h in active[i + 1:] if loads[h] > 0]
-        if loads[g] == 0 and later and room[g] >= first_unit_on[later[0]]:
-            violations.append(f"GPU {g} skipped although it could hold the next block")
+    for g in avoidable_skips(seq, devices, loads, gpus, active, budgets, offloaded):
+        violations.append(f"GPU {g} skipped although it could hold the next block")
     # offload is avoidable only when the units, in order and whole, fit on the GPUs
     if offloaded and exact_contiguous_optimum(seq, [budgets[g] for g in gpus]) is not None:
         violations.append(f"{offloaded} B offloaded although the units fit on the GPUs in order")
 
     caps = [budgets[g] for g in active]
-    optimum = exact_contiguous_optimum([seq_size[u] for u in sequence], caps) if not offloaded else None
+    optimum = exact_contiguous_optimum(seq, caps) if not offloaded else None
     return MapReport(
         bytes_per_device=per_device,
         total=total,
@@ -492,22 +510,7 @@ def check_placement(
         report.avoidable_offload = offloaded
     if not offloaded and len(active) >= 2 and len(used) == 1 and optimum is not None:
         report.avoidable_collapse = total > tolerance * optimum
-    caps = {g: float(budgets[g]) for g in gpus}
-    if offloaded and gpus:  # GPU 0 keeps room to stream the largest offloaded block back in
-        caps[gpus[0]] = max(0.0, caps[gpus[0]] - max(s for s, d in zip(seq, devices) if d not in loads))
-    for i, g in enumerate(active):
-        later = [h for h in active[i + 1:] if loads[h]]
-        if loads[g] or not later:
-            continue
-        # the modules that open the next used GPU, up to the first that has bytes
-        opening = 0
-        for s, d in zip(seq, devices):
-            if d == later[0]:
-                opening += s
-                if s:
-                    break
-        if opening <= caps[g]:
-            report.avoidable_skips.append(g)
+    report.avoidable_skips = avoidable_skips(seq, devices, loads, gpus, active, budgets, offloaded)
     return report
 
 

@@ -3,13 +3,25 @@
 A ``QuantState`` holds ``absmax``, ``code`` (the 16-entry NF4/FP4 table), ``offset`` and, for
 nested statistics, a second state ``state2`` with its own ``absmax`` and ``code``. The walk finds
 them through the state's attributes, so a tensor a later release adds is included too.
+
+A move that sweeps afterwards (``pipe.to()``) can record the states aligned while it runs
+(:func:`start_recording`): code that has just put every tensor of a state on its parameter's
+device notes it with that device (:func:`align_and_note`), and the sweep that follows skips a
+state whose parameter is on the device noted (:func:`noted`), instead of reading the state's
+tensors a second time.
 """
 
 from __future__ import annotations
 
+import threading
+
 TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
-    from typing import Any, Dict, Iterator, Tuple
+    from typing import Any, Dict, Iterator, Optional, Tuple
+
+    #: ``id(state)`` -> ``(state, device)``: the state (kept alive, so no other object takes its
+    #: id while the record is open) and the device every one of its tensors was put on
+    Record = Dict[int, Tuple[Any, Any]]
 
 from devmap_shims.devices.tensors import device_type, tensor_type
 
@@ -124,3 +136,51 @@ def _align_known_by_getattr(state: Any, device: Any, names: Any = None) -> int:
                 setattr(owner, attr, value.to(device))
                 moved += 1
     return moved
+
+
+# -- the states aligned during a move -----------------------------------------------------------------
+class _Recording(threading.local):
+    """Per thread: the record of the move in progress, or None."""
+
+    entries = None  # type: Optional[Record]
+
+
+_RECORDING = _Recording()
+
+
+def start_recording() -> Optional[Record]:
+    """Start recording, on this thread, the quant states aligned from now on; returns the record
+    (hand it to :func:`stop_recording`), or None when a record is open already (it belongs to the
+    outer move, which sweeps and stops it)."""
+    if _RECORDING.entries is not None:
+        return None
+    entries: Record = {}
+    _RECORDING.entries = entries
+    return entries
+
+
+def stop_recording(entries: Optional[Record]) -> None:
+    """Stop the recording that :func:`start_recording` returned ``entries`` for (None: nothing)."""
+    if entries is not None and _RECORDING.entries is entries:
+        _RECORDING.entries = None
+
+
+def align_and_note(state: Any, device: Any) -> int:
+    """:func:`align_state`, and while a recording is open on this thread, note that every tensor
+    of ``state`` is now on ``device``, so the sweep after the move takes it as checked for a
+    parameter on that device. A state without a ``__dict__`` is not noted: :func:`align_state`
+    cannot see its tensors."""
+    moved = align_state(state, device)
+    entries = _RECORDING.entries
+    if entries is not None and getattr(state, "__dict__", None):
+        entries[id(state)] = (state, device)
+    return moved
+
+
+def noted(entries: Record, state: Any, param: Any) -> bool:
+    """Whether ``entries`` notes ``state`` as aligned for the device ``param`` is on now: one
+    ``.device`` read where a check reads every tensor of the state. A parameter moved again after
+    the note by a path that left its state behind (``Tensor.cpu()`` on bitsandbytes < 0.46,
+    ``param.data = ...``) is not taken as checked."""
+    entry = entries.get(id(state))
+    return entry is not None and entry[0] is state and param.device == entry[1]

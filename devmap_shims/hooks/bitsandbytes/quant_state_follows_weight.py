@@ -6,9 +6,11 @@ Both repairs run after the original: every tensor of the quant state (``code``, 
 the returned parameter keeps ``bnb_quantized``; a parameter that already carries a quant state is
 never quantized again. ``Params4bit.to`` also runs inside ``torch.compile``d code, hence plain
 function layers (``compile_reachable``). ``.cuda()`` goes through ``.to()`` on every affected
-release. ``Params4bit`` has no ``.cpu()`` of its own before 0.46, so ``module.cpu()`` leaves the
-state on the GPU there: wrapping it would mean wrapping ``torch.Tensor.cpu`` for every tensor, so
-it is not done (use ``module.to("cpu")``; :func:`devmap_shims.check_devices` finds such tensors).
+release. A state aligned by ``Params4bit.to`` during a ``pipe.to()`` is noted
+(``devices.quant_state.align_and_note``), so the pipeline-to-sweep shim does not read it again.
+``Params4bit`` has no ``.cpu()`` of its own before 0.46, so ``module.cpu()`` leaves the state on
+the GPU there: wrapping it would mean wrapping ``torch.Tensor.cpu`` for every tensor, so it is not
+done (use ``module.to("cpu")``; :func:`devmap_shims.check_devices` finds such tensors).
 
 Rows (generated from known_bugs.toml by scripts/regenerate.py):
     bnb-quantstate-code-not-moved
@@ -25,7 +27,7 @@ TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/r
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Tuple
 
-from devmap_shims.devices.quant_state import align_state, quant_state_of, state_tensors
+from devmap_shims.devices.quant_state import align_and_note, align_state, quant_state_of, state_tensors
 from devmap_shims.scenarios import BugObserved, import_before_simulation, scenario
 from devmap_shims.shims import Shim, Target
 
@@ -76,7 +78,8 @@ def repair_params4bit_to(wrapped: Callable[..., Any], instance: Any, args: Tuple
         result.bnb_quantized = True
     state = quant_state_of(result)
     if state is not None:
-        align_state(state, result.device)
+        # noted for a sweep after the move in progress (pipe.to()), which then need not check it again
+        align_and_note(state, result.device)
     return result
 
 

@@ -4,7 +4,9 @@ left on the load GPU joins its weights; a one-GPU ``device_map`` is honoured for
 * ``DiffusionPipeline.to`` and ``ModelMixin.to`` / ``.cuda``: after the original move, every
   component is swept for bitsandbytes parameters whose quant-state tensors are not on the
   parameter's device, and those tensors are moved (an INFO line when a sweep moved some). A model
-  ``.to`` inside a pipeline ``.to`` leaves the sweep to the pipeline.
+  ``.to`` inside a pipeline ``.to`` leaves the sweep to the pipeline. States that the
+  quant-state-follows-weight shim aligned during the move, for the device their parameter is on
+  now, are not read again (the move records them: ``devices.quant_state.start_recording``).
 * ``ModelMixin.from_pretrained`` with a one-GPU ``device_map`` (``{"": "cuda:1"}``, ``"cuda:1"``,
   ``1``, ``torch.device("cuda", 1)``) for a bitsandbytes-quantized load, which these diffusers
   releases refuse: the map is dropped and the load runs with that GPU as the current device, so
@@ -24,7 +26,9 @@ TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/r
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Optional, Tuple
 
-from devmap_shims.devices.quant_state import align_known_state
+    from devmap_shims.devices.quant_state import Record
+
+from devmap_shims.devices.quant_state import align_known_state, noted, start_recording, stop_recording
 from devmap_shims.devices.tensors import device_type
 from devmap_shims.scenarios import BugObserved, scenario
 from devmap_shims.shims import LazyLogger, Shim, Target, with_context
@@ -35,21 +39,25 @@ logger = LazyLogger(__name__)
 
 
 # -- the sweep ------------------------------------------------------------------------------------
-def sweep_module(module: Any) -> int:
+def sweep_module(module: Any, record: Optional[Record] = None) -> int:
     """Move every quant-state tensor of ``module`` onto its parameter's device; returns how many moved.
 
     Parameters on ``meta`` are skipped (their data lives elsewhere, e.g. offloaded by accelerate).
-    A module-level ``quant_state`` that is not the weight's own follows the weight.
+    A module-level ``quant_state`` that is not the weight's own follows the weight. A state that
+    ``record`` (the move's, see :func:`devmap_shims.devices.quant_state.start_recording`) notes as
+    aligned for the device its parameter is on was checked tensor by tensor during the move, and
+    is not read again.
 
     The sweep runs after every move of a pipeline whose transformer has hundreds of 4-bit layers,
     so the walk does the least per module: ``_modules`` / ``_parameters`` are read directly
     instead of ``named_modules()``, in the same order (the order the move allocated the tensors
-    in, which on a large tree is friendlier to the CPU's caches than the reverse); a parameter is looked at only if its ``__dict__`` holds a
-    ``quant_state``; each tensor's ``.device`` is read once and compared with ``torch.device``
-    objects, never through ``device.type`` (a new string per read); and the whole walk runs with
-    tensor subclasses' ``__torch_function__`` off, so reading the ``.device`` of a ``Params4bit``
-    (bitsandbytes >= 0.46 overrides ``__torch_function__``) costs what it costs on a plain tensor
-    rather than a Python dispatch. Torch function modes stay on.
+    in, which on a large tree is friendlier to the CPU's caches than the reverse); a parameter is
+    looked at only if its ``__dict__`` holds a ``quant_state``; each tensor's ``.device`` is read
+    once and compared with ``torch.device`` objects, never through ``device.type`` (a new string
+    per read); and the whole walk runs with tensor subclasses' ``__torch_function__`` off, so
+    reading the ``.device`` of a ``Params4bit`` (bitsandbytes >= 0.46 overrides
+    ``__torch_function__``) costs what it costs on a plain tensor rather than a Python dispatch.
+    Torch function modes stay on.
     """
     meta = device_type()("meta")  # a tensor on meta reports exactly this device
     moved = 0
@@ -68,7 +76,7 @@ def sweep_module(module: Any) -> int:
             params = sub._parameters
             if not params:
                 continue
-            weight_state = weight_device = None
+            weight_state = weight = None
             for name, param in params.items():
                 if param is None:
                     continue
@@ -76,16 +84,22 @@ def sweep_module(module: Any) -> int:
                 state = namespace.get("quant_state") if namespace else None
                 if state is None:
                     continue
+                if record and noted(record, state, param):  # aligned for this device during the move
+                    if name == "weight":
+                        weight_state, weight = state, param
+                    continue
                 device = param.device
                 if device == meta:
                     continue
                 if name == "weight":
-                    weight_state, weight_device = state, device
+                    weight_state, weight = state, param
                 moved += align_known_state(state, device)
-            if weight_device is not None:
+            if weight is not None:
                 module_state = sub.__dict__.get("quant_state")
                 if module_state is not None and module_state is not weight_state:
-                    moved += align_known_state(module_state, weight_device)
+                    device = weight.device
+                    if device != meta:
+                        moved += align_known_state(module_state, device)
     return moved
 
 
@@ -101,7 +115,7 @@ def _subclass_dispatch_off() -> Any:
     return context()
 
 
-def sweep_pipeline(pipeline: Any) -> Tuple[int, int]:
+def sweep_pipeline(pipeline: Any, record: Optional[Record] = None) -> Tuple[int, int]:
     """:func:`sweep_module` over every torch module among ``pipeline.components``: ``(moved, modules)``."""
     import torch
 
@@ -109,7 +123,7 @@ def sweep_pipeline(pipeline: Any) -> Tuple[int, int]:
     for component in (getattr(pipeline, "components", None) or {}).values():
         if isinstance(component, torch.nn.Module):
             modules += 1
-            moved += sweep_module(component)
+            moved += sweep_module(component, record)
     return moved, modules
 
 
@@ -127,17 +141,22 @@ class _Moves(threading.local):
 
 @with_context
 def repair_pipeline_to(context: Any, wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """``DiffusionPipeline.to``, then one sweep over its components."""
+    """``DiffusionPipeline.to``, then one sweep over its components (states the move aligned and
+    recorded are not read again)."""
     moves = context.state
     moves.depth += 1
+    record = start_recording() if moves.depth == 1 else None
     try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        moves.depth -= 1
-    if moves.depth == 0 and instance is not None:
-        moved, modules = sweep_pipeline(instance)
-        if not moved:
+        try:
+            result = wrapped(*args, **kwargs)
+        finally:
+            moves.depth -= 1
+        if moves.depth or instance is None:
             return result
+        moved, modules = sweep_pipeline(instance, record)
+    finally:
+        stop_recording(record)
+    if moved:
         logger.info(
             "%s after %s: moved %d quantization-state tensor(s) of %d component(s) onto their "
             "weights' devices (shim %s)",
@@ -149,15 +168,19 @@ def repair_pipeline_to(context: Any, wrapped: Callable[..., Any], instance: Any,
 @with_context
 def repair_model_to(context: Any, wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """``ModelMixin.to`` / ``.cuda``, then a sweep of the model unless a pipeline move sweeps later."""
-    result = wrapped(*args, **kwargs)
-    if context.state.depth == 0 and instance is not None:
-        moved = sweep_module(instance)
-        if moved:
-            logger.info(
-                "%s after %s: moved %d quantization-state tensor(s) onto their weights' devices "
-                "(shim %s)",
-                BUG_ID, _describe_call(instance, getattr(wrapped, "__name__", "to"), args, kwargs), moved, SHIM.id,
-            )
+    if context.state.depth or instance is None:
+        return wrapped(*args, **kwargs)
+    record = start_recording()
+    try:
+        result = wrapped(*args, **kwargs)
+        moved = sweep_module(instance, record)
+    finally:
+        stop_recording(record)
+    if moved:
+        logger.info(
+            "%s after %s: moved %d quantization-state tensor(s) onto their weights' devices (shim %s)",
+            BUG_ID, _describe_call(instance, getattr(wrapped, "__name__", "to"), args, kwargs), moved, SHIM.id,
+        )
     return result
 
 

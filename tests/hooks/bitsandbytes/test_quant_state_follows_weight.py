@@ -26,7 +26,7 @@ from bitsandbytes.nn import Int8Params, Params4bit  # noqa: E402
 import devmap_shims  # noqa: E402
 from devmap_shims.checks import check_devices  # noqa: E402
 from devmap_shims.compat_matrix import load_matrix  # noqa: E402
-from devmap_shims.devices.quant_state import state_tensors  # noqa: E402
+from devmap_shims.devices.quant_state import noted, start_recording, state_tensors, stop_recording  # noqa: E402
 from devmap_shims.hooks.bitsandbytes import quant_state_follows_weight as hook  # noqa: E402
 from devmap_shims.testing.nf4 import linear4bit, params4bit  # noqa: E402
 from devmap_shims.versions import installed_versions  # noqa: E402
@@ -194,6 +194,26 @@ def test_module_round_trips_and_dtype_moves_keep_state_consistent_and_weights_id
         assert layer.weight.bnb_quantized is True
         assert_same_state(layer.weight.quant_state, reference)
     assert model[1].weight.dtype == torch.float16  # the dtype move reached the unquantized module
+
+
+# -- noting the states it aligned, for a sweep after the move ------------------------------------------
+@SIM
+def test_a_move_while_a_record_is_open_notes_the_state_for_the_device_it_went_to(shim):
+    param = params4bit(weight(), "cuda:0", compress_statistics=True)
+    other = params4bit(weight(seed=1), "cuda:0")
+    record = start_recording()
+    try:
+        moved = param.to("cuda:1")
+    finally:
+        stop_recording(record)
+    assert set(state_devices(moved).values()) == {"cuda:1"}
+    assert list(record.values()) == [(moved.quant_state, torch.device("cuda", 1))]
+    assert noted(record, moved.quant_state, moved) and not noted(record, other.quant_state, other)
+    assert not noted(record, param.quant_state, param)  # the state went to cuda:1; param is still on cuda:0
+    param.data = moved.data  # what Module._apply does with the result
+    assert noted(record, param.quant_state, param)
+    again = moved.to("cuda:0")  # the record is closed: nothing more is noted
+    assert len(record) == 1 and not noted(record, again.quant_state, again)
 
 
 # -- pass-through -----------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ except ImportError:  # diffusers < 0.31: no Flux, no bitsandbytes-quantized mode
 import devmap_shims  # noqa: E402
 from devmap_shims.checks import check_devices  # noqa: E402
 from devmap_shims.compat_matrix import load_matrix  # noqa: E402
-from devmap_shims.devices.quant_state import state_tensors  # noqa: E402
+from devmap_shims.devices.quant_state import start_recording, state_tensors, stop_recording  # noqa: E402
 from devmap_shims.hooks.bitsandbytes import quant_state_follows_weight as qs_hook  # noqa: E402
 from devmap_shims.hooks.diffusers import pipeline_to_sweep as hook  # noqa: E402
 from devmap_shims.testing import simulated_gpus  # noqa: E402
@@ -220,6 +220,39 @@ def test_a_model_move_outside_a_pipeline_is_swept_and_logged(checkpoint, shims, 
         assert "FluxTransformer2DModel.to('cuda:1')" in lines[0] and "FluxTransformer2DModel.cuda(0)" in lines[1]
     else:
         assert lines == []  # nothing to move, nothing said
+
+
+def test_with_both_shims_the_sweep_reads_only_what_the_move_did_not_note(checkpoint, shims, checks):
+    """As install() arms them on an affected stack: Params4bit.to aligns and notes each state
+    during the move, and the sweep after it reads none of them again; with the sweep shim alone it
+    checks every one."""
+    shims(hook.SHIM.id, qs_hook.SHIM.id)
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        pipe = pipeline_with(load_4bit(checkpoint))
+        layers = linear4bit_count(pipe.transformer)
+        pipe.to("cuda:1")
+        assert check_devices(pipe) == [] and checks == []
+        pipe.transformer.to("cuda:0")  # a model move outside a pipeline move records its own
+        assert check_devices(pipe.transformer) == [] and checks == []
+        shims(hook.SHIM.id)
+        pipe.to("cuda:1")
+        assert check_devices(pipe) == [] and len(checks) == layers > 0
+        record = start_recording()
+        stop_recording(record)
+        assert record == {}  # every move closed its record: a new one opens
+
+
+def test_a_pipeline_move_that_fails_closes_its_record(checkpoint, shims):
+    shims(hook.SHIM.id, qs_hook.SHIM.id)
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        pipe = pipeline_with(load_4bit(checkpoint))
+        with pytest.raises(Exception):  # noqa: B017 - whatever this diffusers raises for a missing GPU
+            pipe.to("cuda:7")
+        record = start_recording()
+        try:
+            assert record == {}  # not the failed move's: a later move records anew
+        finally:
+            stop_recording(record)
 
 
 # -- pass-through -------------------------------------------------------------------------------------------

@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import copy
 import itertools
+import threading
 
 import pytest
 
 torch = pytest.importorskip("torch")
 bnb = pytest.importorskip("bitsandbytes")  # imported before any simulation starts (it probes CUDA)
 
-from devmap_shims.devices.quant_state import align_known_state, state_tensors  # noqa: E402
+from devmap_shims.devices.quant_state import (  # noqa: E402
+    align_and_note,
+    align_known_state,
+    noted,
+    start_recording,
+    state_tensors,
+    stop_recording,
+)
 from devmap_shims.hooks.diffusers import pipeline_to_sweep as hook  # noqa: E402
 from devmap_shims.testing import simulated_gpus  # noqa: E402
 from devmap_shims.testing.nf4 import linear4bit  # noqa: E402
@@ -164,3 +172,94 @@ def test_tensor_subclass_dispatch_is_back_on_after_the_sweep():
     calls.clear()
     torch.add(counted, 1)
     assert torch.add in calls
+
+
+# -- states noted during the move ----------------------------------------------------------------------
+def noted_record(*params):
+    """A record noting each parameter's state for the device the parameter is on, as a move with
+    the quant-state shim notes them."""
+    record = start_recording()
+    try:
+        for param in params:
+            align_and_note(param.quant_state, param.device)
+    finally:
+        stop_recording(record)
+    return record
+
+
+def test_a_state_noted_for_its_parameter_is_not_read_again(checks):
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer, other = make_layer(), make_layer(seed=1)
+        record = noted_record(layer.weight)
+        root = torch.nn.Sequential(layer, other)
+        assert hook.sweep_module(root, record) == 0
+        assert checks == [other.weight.quant_state]  # only the layer the move did not note
+        del checks[:]
+        assert hook.sweep_module(root) == 0
+        assert checks == [layer.weight.quant_state, other.weight.quant_state]  # no record: every state
+
+
+def test_a_noted_state_is_checked_when_its_parameter_moved_since(checks):
+    """A parameter moved again after the note by a path that left its state behind (here
+    ``param.data = ...``, as ``Tensor.cpu()`` does on bitsandbytes < 0.46) is swept in full."""
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+        record = noted_record(layer.weight)
+        layer.weight.data = layer.weight.data.to("cuda:0")
+        assert not noted(record, layer.weight.quant_state, layer.weight)
+        assert hook.sweep_module(layer, record) == len(NESTED)
+        assert set(devices(layer.weight.quant_state).values()) == {"cuda:0"}
+
+
+def test_a_noted_state_found_on_a_parameter_of_another_device_is_checked(checks):
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+        record = noted_record(layer.weight)
+        state = layer.weight.quant_state
+        replacement = torch.nn.Parameter(layer.weight.data.to("cuda:0"), requires_grad=False)
+        replacement.quant_state = state
+        layer.weight = replacement
+        assert hook.sweep_module(layer, record) == len(NESTED)
+        assert checks == [state] and set(devices(state).values()) == {"cuda:0"}
+        del checks[:]
+        assert hook.sweep_module(layer, noted_record(replacement)) == 0 and checks == []  # noted for cuda:0 now
+
+
+def test_a_module_quant_state_of_its_own_is_checked_beside_a_noted_weight(checks):
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+        layer.quant_state = copy.deepcopy(layer.weight.quant_state)
+        stray(layer.quant_state, ["code"])
+        record = noted_record(layer.weight)
+        assert hook.sweep_module(layer, record) == 1
+        assert checks == [layer.quant_state] and set(devices(layer.quant_state).values()) == {"cuda:1"}
+
+
+def test_a_recording_is_one_per_thread_and_closed_only_by_its_owner():
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+        record = start_recording()
+        try:
+            assert record == {} and start_recording() is None  # an inner move records into the outer one
+            stop_recording({})  # not the open record: it stays open
+            elsewhere = {}
+
+            def other_thread():
+                own = start_recording()  # this thread's record is not seen there
+                align_and_note(layer.weight.quant_state, layer.weight.device)
+                stop_recording(own)
+                elsewhere.update(own)
+
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            thread.join()
+            assert record == {} and len(elsewhere) == 1
+            align_and_note(layer.weight.quant_state, layer.weight.device)
+            assert noted(record, layer.weight.quant_state, layer.weight)
+        finally:
+            stop_recording(record)
+        align_and_note(layer.weight.quant_state, layer.weight.device)
+        assert len(record) == 1  # closed: nothing more is noted
+        again = start_recording()
+        assert again == {} and again is not record
+        stop_recording(again)

@@ -145,7 +145,7 @@ def repair_pipeline_to(context: Any, wrapped: Callable[..., Any], instance: Any,
     recorded are not read again)."""
     moves = context.state
     moves.depth += 1
-    record = start_recording() if moves.depth == 1 else None
+    record = start_recording()  # None inside an outer move: that move's record is the one open
     try:
         try:
             result = wrapped(*args, **kwargs)

@@ -26,9 +26,10 @@ each time moving the pipeline to the other GPU:
   costs for states the move did not note (all of them with the sweep shim alone);
 * once the simulation has ended (the same trees, now plain CPU tensors, where ``.device`` is
   torch's own getter, as on real GPUs), the sweep over states noted as a move notes them, and the
-  full check. On the simulated GPUs ``.device`` is a Python property (the simulator's): the sweep
-  reads one per noted layer, a full check six (the weight's and its quant state's five tensors);
-  the difference is the simulator's, not the shim's.
+  full check. On the simulated GPUs ``.device`` is a Python property (the simulator's), which the
+  full check reads six times per layer (the weight's and its quant state's five tensors); the
+  sweep over noted states reads none (one storage lookup per layer, ``torch._C._storage_id``,
+  which costs the same with or without the simulation).
 
 Targets, for the sweep with both shims: what it costs inside ``pipe.to()`` plus what noting the
 states cost the move (measured on one layer's state, ``align_and_note`` against ``align_state``,
@@ -257,7 +258,7 @@ def _sweeps_timed() -> Iterator[List[Tuple[float, Any]]]:
 
 
 def _noted_record(pipe: Any) -> Any:
-    """A record that notes every 4-bit weight's state for the weight and the device it is on, as
+    """A record that notes every 4-bit weight's state under the weight's storage, as
     ``Params4bit.to`` with the quant-state shim notes them during a move."""
     from devmap_shims.devices.quant_state import align_and_note, quant_state_of, start_recording, stop_recording
 
@@ -267,7 +268,7 @@ def _noted_record(pipe: Any) -> Any:
             weight = module._parameters.get("weight")
             state = quant_state_of(weight) if weight is not None else None
             if state is not None:
-                align_and_note(state, weight.device)
+                align_and_note(state, weight)
     finally:
         stop_recording(record)
     return record
@@ -391,15 +392,15 @@ def noting_cost(calls: int = 20000, batches: int = 9) -> Dict[str, float]:
     added: List[float] = []
     with simulated_gpus(2, memory="1GiB"), torch.no_grad():
         weight = _linear4bit(256, 256, "cuda:1").weight
-        state, device = weight.quant_state, weight.device
+        state = weight.quant_state
 
-        def check() -> None:
+        def check() -> None:  # what the shim did before it noted: read the weight's device, check
             for _ in range(calls):
-                align_state(state, device)
+                align_state(state, weight.device)
 
         def check_and_note() -> None:
             for _ in range(calls):
-                align_and_note(state, device)
+                align_and_note(state, weight)
 
         record = start_recording()
         try:

@@ -6,9 +6,9 @@ them through the state's attributes, so a tensor a later release adds is include
 
 A move that sweeps afterwards (``pipe.to()``) can record the states aligned while it runs
 (:func:`start_recording`): code that has just put every tensor of a state on its parameter's
-device notes it with that device (:func:`align_and_note`), and the sweep that follows skips a
-state whose parameter is on the device noted (:func:`noted`), instead of reading the state's
-tensors a second time.
+device notes it with that parameter's storage (:func:`align_and_note`), and the sweep that
+follows skips a state whose parameter still holds that storage (:func:`noted`), instead of reading
+the state's tensors a second time.
 """
 
 from __future__ import annotations
@@ -17,13 +17,9 @@ import threading
 
 TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
-    from typing import Any, Dict, Iterator, Optional, Tuple
+    from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-    #: ``id(state)`` -> ``(state, device)``: the state (kept alive, so no other object takes its
-    #: id while the record is open) and the device every one of its tensors was put on
-    Record = Dict[int, Tuple[Any, Any]]
-
-from devmap_shims.devices.tensors import device_type, tensor_type
+from devmap_shims.devices.tensors import device_type, storage_id, tensor_type
 
 # Nested quant states (``state2``) are one level deep in every bitsandbytes release; the limit
 # only guards against a cycle in a future layout.
@@ -139,6 +135,18 @@ def _align_known_by_getattr(state: Any, device: Any, names: Any = None) -> int:
 
 
 # -- the states aligned during a move -----------------------------------------------------------------
+class Record(dict):
+    """The states aligned during one move: ``storage address of a weight -> its quant state``,
+    each state noted when every one of its tensors was put on that weight's device. ``kept``
+    holds the weights, so that no other storage takes a noted address while the record is open."""
+
+    __slots__ = ("kept",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: List[Any] = []
+
+
 class _Recording(threading.local):
     """Per thread: the record of the move in progress, or None."""
 
@@ -147,6 +155,9 @@ class _Recording(threading.local):
 
 _RECORDING = _Recording()
 
+#: ``torch._C._storage_id``, looked up by the first note (a record holds entries only after one)
+_storage_of: Any = None
+
 
 def start_recording() -> Optional[Record]:
     """Start recording, on this thread, the quant states aligned from now on; returns the record
@@ -154,7 +165,7 @@ def start_recording() -> Optional[Record]:
     outer move, which sweeps and stops it)."""
     if _RECORDING.entries is not None:
         return None
-    entries: Record = {}
+    entries = Record()
     _RECORDING.entries = entries
     return entries
 
@@ -165,22 +176,34 @@ def stop_recording(entries: Optional[Record]) -> None:
         _RECORDING.entries = None
 
 
-def align_and_note(state: Any, device: Any) -> int:
-    """:func:`align_state`, and while a recording is open on this thread, note that every tensor
-    of ``state`` is now on ``device``, so the sweep after the move takes it as checked for a
-    parameter on that device. A state without a ``__dict__`` is not noted: :func:`align_state`
-    cannot see its tensors."""
-    moved = align_state(state, device)
+def align_and_note(state: Any, weight: Any) -> int:
+    """:func:`align_state` onto ``weight``'s device, and while a recording is open on this thread,
+    note ``state`` under the address of ``weight``'s storage, so the sweep after the move takes it
+    as checked for a parameter that still holds that storage. A state without a ``__dict__``
+    (:func:`align_state` cannot see its tensors) or a weight without a storage is not noted."""
+    global _storage_of
+    moved = align_state(state, weight.device)
     entries = _RECORDING.entries
     if entries is not None and getattr(state, "__dict__", None):
-        entries[id(state)] = (state, device)
+        if _storage_of is None:
+            _storage_of = storage_id()
+        try:
+            entries[_storage_of(weight)] = state
+        except (RuntimeError, TypeError):  # no storage (a wrapper subclass), or no _storage_id
+            return moved
+        entries.kept.append(weight)
     return moved
 
 
 def noted(entries: Record, state: Any, param: Any) -> bool:
-    """Whether ``entries`` notes ``state`` as aligned for the device ``param`` is on now: one
-    ``.device`` read where a check reads every tensor of the state. A parameter moved again after
-    the note by a path that left its state behind (``Tensor.cpu()`` on bitsandbytes < 0.46,
-    ``param.data = ...``) is not taken as checked."""
-    entry = entries.get(id(state))
-    return entry is not None and entry[0] is state and param.device == entry[1]
+    """Whether ``entries`` notes ``state`` as aligned for the device ``param`` is on now.
+
+    One storage lookup, where a check reads the ``.device`` of every tensor of the state: a
+    storage lives on one device for its whole life, so a parameter that holds the storage a state
+    was noted under is on the device the state was aligned for. A parameter given another storage
+    after the note (``Tensor.cpu()`` on bitsandbytes < 0.46, ``param.data = ...``) is not taken as
+    checked, even when that storage is on the same device."""
+    try:
+        return entries.get(_storage_of(param)) is state
+    except (RuntimeError, TypeError):  # no storage, or nothing noted yet (no _storage_of)
+        return False

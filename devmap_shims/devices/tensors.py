@@ -27,3 +27,9 @@ def tensor_type() -> Any:
 def device_type() -> Any:
     """``torch.device`` (torch is imported by the first call)."""
     return _torch().device
+
+
+def storage_id() -> Any:
+    """``torch._C._storage_id`` (the address of a tensor's storage, the same for every tensor that
+    shares it; raises for a tensor without one), or None where this torch lacks it."""
+    return getattr(_torch()._C, "_storage_id", None)

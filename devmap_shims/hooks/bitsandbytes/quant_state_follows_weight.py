@@ -6,8 +6,9 @@ Both repairs run after the original: every tensor of the quant state (``code``, 
 the returned parameter keeps ``bnb_quantized``; a parameter that already carries a quant state is
 never quantized again. ``Params4bit.to`` also runs inside ``torch.compile``d code, hence plain
 function layers (``compile_reachable``). ``.cuda()`` goes through ``.to()`` on every affected
-release. A state aligned by ``Params4bit.to`` during a ``pipe.to()`` is noted
-(``devices.quant_state.align_and_note``), so the pipeline-to-sweep shim does not read it again.
+release. A state aligned by ``Params4bit.to`` during a ``pipe.to()`` is noted under the storage
+of the weight it went with (``devices.quant_state.align_and_note``), so the pipeline-to-sweep
+shim does not read it again while the parameter holds that storage.
 ``Params4bit`` has no ``.cpu()`` of its own before 0.46, so ``module.cpu()`` leaves the state on
 the GPU there: wrapping it would mean wrapping ``torch.Tensor.cpu`` for every tensor, so it is not
 done (use ``module.to("cpu")``; :func:`devmap_shims.check_devices` finds such tensors).
@@ -79,7 +80,7 @@ def repair_params4bit_to(wrapped: Callable[..., Any], instance: Any, args: Tuple
     state = quant_state_of(result)
     if state is not None:
         # noted for a sweep after the move in progress (pipe.to()), which then need not check it again
-        align_and_note(state, result.device)
+        align_and_note(state, result)
     return result
 
 

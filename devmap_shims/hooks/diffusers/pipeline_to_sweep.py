@@ -5,8 +5,9 @@ left on the load GPU joins its weights; a one-GPU ``device_map`` is honoured for
   component is swept for bitsandbytes parameters whose quant-state tensors are not on the
   parameter's device, and those tensors are moved (an INFO line when a sweep moved some). A model
   ``.to`` inside a pipeline ``.to`` leaves the sweep to the pipeline. States that the
-  quant-state-follows-weight shim aligned during the move, for the device their parameter is on
-  now, are not read again (the move records them: ``devices.quant_state.start_recording``).
+  quant-state-follows-weight shim aligned during the move, with the weight storage their
+  parameter still holds, are not read again (the move records them:
+  ``devices.quant_state.start_recording``).
 * ``ModelMixin.from_pretrained`` with a one-GPU ``device_map`` (``{"": "cuda:1"}``, ``"cuda:1"``,
   ``1``, ``torch.device("cuda", 1)``) for a bitsandbytes-quantized load, which these diffusers
   releases refuse: the map is dropped and the load runs with that GPU as the current device, so
@@ -44,9 +45,9 @@ def sweep_module(module: Any, record: Optional[Record] = None) -> int:
 
     Parameters on ``meta`` are skipped (their data lives elsewhere, e.g. offloaded by accelerate).
     A module-level ``quant_state`` that is not the weight's own follows the weight. A state that
-    ``record`` (the move's, see :func:`devmap_shims.devices.quant_state.start_recording`) notes as
-    aligned for the device its parameter is on was checked tensor by tensor during the move, and
-    is not read again.
+    ``record`` (the move's, see :func:`devmap_shims.devices.quant_state.start_recording`) notes
+    under the storage its parameter holds now was checked tensor by tensor during the move, and
+    is not read again (one storage lookup instead of six ``.device`` reads).
 
     The sweep runs after every move of a pipeline whose transformer has hundreds of 4-bit layers,
     so the walk does the least per module: ``_modules`` / ``_parameters`` are read directly
@@ -84,7 +85,7 @@ def sweep_module(module: Any, record: Optional[Record] = None) -> int:
                 state = namespace.get("quant_state") if namespace else None
                 if state is None:
                     continue
-                if record and noted(record, state, param):  # aligned for this device during the move
+                if record and noted(record, state, param):  # aligned for this storage during the move
                     if name == "weight":
                         weight_state, weight = state, param
                     continue

@@ -198,7 +198,7 @@ def test_module_round_trips_and_dtype_moves_keep_state_consistent_and_weights_id
 
 # -- noting the states it aligned, for a sweep after the move ------------------------------------------
 @SIM
-def test_a_move_while_a_record_is_open_notes_the_state_for_the_device_it_went_to(shim):
+def test_a_move_while_a_record_is_open_notes_the_state_for_the_weight_it_went_with(shim):
     param = params4bit(weight(), "cuda:0", compress_statistics=True)
     other = params4bit(weight(seed=1), "cuda:0")
     record = start_recording()
@@ -207,7 +207,8 @@ def test_a_move_while_a_record_is_open_notes_the_state_for_the_device_it_went_to
     finally:
         stop_recording(record)
     assert set(state_devices(moved).values()) == {"cuda:1"}
-    assert list(record.values()) == [(moved.quant_state, torch.device("cuda", 1))]
+    assert list(record.values()) == [moved.quant_state]
+    assert record.kept == [moved]  # the weight kept alive: no other storage takes its address
     assert noted(record, moved.quant_state, moved) and not noted(record, other.quant_state, other)
     assert not noted(record, param.quant_state, param)  # the state went to cuda:1; param is still on cuda:0
     param.data = moved.data  # what Module._apply does with the result

@@ -181,7 +181,7 @@ def noted_record(*params):
     record = start_recording()
     try:
         for param in params:
-            align_and_note(param.quant_state, param.device)
+            align_and_note(param.quant_state, param)
     finally:
         stop_recording(record)
     return record
@@ -209,6 +209,65 @@ def test_a_noted_state_is_checked_when_its_parameter_moved_since(checks):
         assert not noted(record, layer.weight.quant_state, layer.weight)
         assert hook.sweep_module(layer, record) == len(NESTED)
         assert set(devices(layer.weight.quant_state).values()) == {"cuda:0"}
+
+
+def test_a_noted_state_is_checked_when_its_parameter_got_another_storage_on_the_same_device(checks):
+    """The note names the weight's storage, not only its device: a parameter whose data was
+    replaced after the note is checked in full even where the new data is on the same GPU (the
+    replacement may have come with tensors the move never saw)."""
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+        record = noted_record(layer.weight)
+        state = layer.weight.quant_state
+        layer.weight.data = layer.weight.data.clone()  # still on cuda:1
+        stray(state, ["state2.code"])
+        assert not noted(record, state, layer.weight)
+        assert hook.sweep_module(layer, record) == 1
+        assert checks == [state] and set(devices(state).values()) == {"cuda:1"}
+
+
+def test_a_parameter_given_another_state_after_the_note_is_checked(checks):
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+        record = noted_record(layer.weight)
+        other = copy.deepcopy(layer.weight.quant_state)
+        stray(other, ["absmax"])
+        layer.weight.quant_state = other  # the same storage, a state the move never saw
+        assert not noted(record, other, layer.weight)
+        assert hook.sweep_module(layer, record) == 1
+        assert checks[0] is other and set(devices(other).values()) == {"cuda:1"}
+
+
+def test_a_note_keeps_its_weight_alive_until_the_record_is_dropped():
+    """While a record is open no other storage can take the address of a noted weight's storage
+    (a parameter moved again in the meantime must not pass for the one noted)."""
+    import gc
+    import weakref
+
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+    # the simulation is over (plain CPU tensors): nothing but the record refers to the weight
+    record = noted_record(layer.weight)
+    kept = weakref.ref(layer.weight)
+    layer.weight = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+    gc.collect()
+    assert kept() is not None
+    del record
+    gc.collect()
+    assert kept() is None
+
+
+def test_a_weight_without_a_storage_is_not_noted():
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+    state = layer.weight.quant_state
+    sparse = torch.zeros(4, 4).to_sparse()  # torch has no storage to name for it
+    record = start_recording()
+    try:
+        align_and_note(state, sparse)
+    finally:
+        stop_recording(record)
+    assert record == {} and not noted(record, state, sparse)
 
 
 def test_a_noted_state_found_on_a_parameter_of_another_device_is_checked(checks):
@@ -246,7 +305,7 @@ def test_a_recording_is_one_per_thread_and_closed_only_by_its_owner():
 
             def other_thread():
                 own = start_recording()  # this thread's record is not seen there
-                align_and_note(layer.weight.quant_state, layer.weight.device)
+                align_and_note(layer.weight.quant_state, layer.weight)
                 stop_recording(own)
                 elsewhere.update(own)
 
@@ -254,11 +313,11 @@ def test_a_recording_is_one_per_thread_and_closed_only_by_its_owner():
             thread.start()
             thread.join()
             assert record == {} and len(elsewhere) == 1
-            align_and_note(layer.weight.quant_state, layer.weight.device)
+            align_and_note(layer.weight.quant_state, layer.weight)
             assert noted(record, layer.weight.quant_state, layer.weight)
         finally:
             stop_recording(record)
-        align_and_note(layer.weight.quant_state, layer.weight.device)
+        align_and_note(layer.weight.quant_state, layer.weight)
         assert len(record) == 1  # closed: nothing more is noted
         again = start_recording()
         assert again == {} and again is not record

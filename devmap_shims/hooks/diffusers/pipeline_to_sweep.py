@@ -52,7 +52,8 @@ def sweep_module(module: Any, record: Optional[Record] = None) -> int:
     The sweep runs after every move of a pipeline whose transformer has hundreds of 4-bit layers,
     so the walk does the least per module: ``_modules`` / ``_parameters`` are read directly
     instead of ``named_modules()``, in the same order (the order the move allocated the tensors
-    in, which on a large tree is friendlier to the CPU's caches than the reverse); a parameter is
+    in, which on a large tree is friendlier to the CPU's caches than the reverse); only modules
+    with children are remembered as seen (a leaf met twice is checked twice); a parameter is
     looked at only if its ``__dict__`` holds a ``quant_state``; each tensor's ``.device`` is read
     once and compared with ``torch.device`` objects, never through ``device.type`` (a new string
     per read); and the whole walk runs with tensor subclasses' ``__torch_function__`` off, so
@@ -67,12 +68,15 @@ def sweep_module(module: Any, record: Optional[Record] = None) -> int:
     with _subclass_dispatch_off():
         while stack:
             sub = stack.pop()
-            key = id(sub)
-            if key in seen or sub is None:
+            if sub is None:
                 continue
-            seen.add(key)
             children = sub._modules
-            if children:  # reversed onto the stack: visited in module order, as they were allocated
+            if children:  # a container shared or in a cycle is entered once; a shared leaf is
+                key = id(sub)  # checked again, which moves nothing the second time
+                if key in seen:
+                    continue
+                seen.add(key)
+                # reversed onto the stack: visited in module order, as they were allocated
                 stack.extend(reversed(children.values()))
             params = sub._parameters
             if not params:

@@ -129,18 +129,21 @@ def test_any_parameter_carrying_a_quant_state_is_aligned_to_its_own_device():
         assert set(devices(layer.weight.quant_state).values()) == {"cuda:1"}
 
 
-def test_shared_modules_are_swept_once_and_empty_slots_are_passed_over():
+def test_shared_modules_and_cycles_end_and_empty_slots_are_passed_over(checks):
     with simulated_gpus(2, memory="1GiB"), torch.no_grad():
         layer = make_layer()
         stray(layer.weight.quant_state, ["code"])
         root = torch.nn.Module()
         root.first = torch.nn.Sequential(layer, torch.nn.ReLU())
-        root.again = layer
+        root.shared = root.first  # a container met twice is entered once
+        root.register_module("loop", root)  # a cycle
+        root.again = layer  # a leaf met twice is checked twice, and moves nothing the second time
         root.register_module("absent", None)
         root.register_parameter("unset", None)
         root.plain = torch.nn.Linear(4, 4, device="cuda:0")
         assert hook.sweep_module(root) == 1
         assert str(root.plain.weight.device) == "cuda:0"
+        assert checks == [layer.weight.quant_state] * 2
 
 
 def test_a_quant_state_of_another_layout_is_left_alone():

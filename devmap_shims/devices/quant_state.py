@@ -138,7 +138,10 @@ def _align_known_by_getattr(state: Any, device: Any, names: Any = None) -> int:
 class Record(dict):
     """The states aligned during one move: ``storage address of a weight -> its quant state``,
     each state noted when every one of its tensors was put on that weight's device. ``kept``
-    holds the weights, so that no other storage takes a noted address while the record is open."""
+    holds the weights, so that no other storage takes a noted address while the record is open
+    (the moved model's parameters hold the same storages, whichever way ``Module._apply`` puts
+    the result in place, so this holds no extra memory unless a parameter moves twice in one
+    move)."""
 
     __slots__ = ("kept",)
 

@@ -24,6 +24,10 @@ each time moving the pipeline to the other GPU:
 * the sweep inside each shimmed move, timed in the shim itself;
 * a full check right after a move, on a pipeline where nothing is out of place: what the sweep
   costs for states the move did not note (all of them with the sweep shim alone);
+* the walk floor right after the library's own move: every module visited, every parameter's
+  ``__dict__`` read and each 4-bit weight's storage looked up, with no record read and nothing
+  checked: the least a sweep that finds every state and tells a moved parameter from a noted one
+  does, so the sweep's own bookkeeping is the difference;
 * once the simulation has ended (the same trees, now plain CPU tensors, where ``.device`` is
   torch's own getter, as on real GPUs), the sweep over states noted as a move notes them, and the
   full check. On the simulated GPUs ``.device`` is a Python property (the simulator's), which the
@@ -234,6 +238,35 @@ def _walk_ms(pipe: Any, record: Any = None) -> float:
     return elapsed * 1000
 
 
+def _floor_ms(pipe: Any) -> float:
+    """The least a sweep that finds every quant state and tells whether its parameter still holds
+    the storage it was noted with can do: visit every module, read every parameter's ``__dict__``
+    for a ``quant_state`` and look up the storage of each parameter that has one; no record is
+    read and nothing is checked or moved."""
+    import torch
+
+    storage_of = torch._C._storage_id
+    found = 0
+    start = time.perf_counter()
+    with torch._C.DisableTorchFunctionSubclass():
+        for component in pipe.components.values():
+            if not isinstance(component, torch.nn.Module):
+                continue
+            stack = [component]
+            while stack:
+                sub = stack.pop()
+                children = sub._modules
+                if children:
+                    stack.extend(reversed(children.values()))
+                for param in sub._parameters.values():
+                    namespace = getattr(param, "__dict__", None)
+                    if namespace and namespace.get("quant_state") is not None:
+                        found += storage_of(param) != 0
+    elapsed = time.perf_counter() - start
+    assert found
+    return elapsed * 1000
+
+
 @contextlib.contextmanager
 def _sweeps_timed() -> Iterator[List[Tuple[float, Any]]]:
     """Time every sweep the shim runs inside ``pipe.to()``: yields a list that gets
@@ -287,8 +320,8 @@ def measure(width: int, rounds: int, scales: Sequence[int] = SCALES, noting_us: 
 
     results = [
         {"scale": scale, "width": width, "rounds": rounds, "times": {name: [] for name in SHIMS},
-         "inside": {name: [] for name in SHIMS if name != "none"}, "walk": [], "walk_torch": [], "noted_torch": [], "left_behind": 0,
-         "noted": 0}
+         "inside": {name: [] for name in SHIMS if name != "none"}, "walk": [], "walk_torch": [], "noted_torch": [],
+         "floor": [], "left_behind": 0, "noted": 0}
         for scale in scales
     ]
     memory = max(8 << 30, 2 * tree_bytes(width, max(scales)) + (1 << 30))
@@ -322,6 +355,8 @@ def measure(width: int, rounds: int, scales: Sequence[int] = SCALES, noting_us: 
                         result["times"][name].append(elapsed * 1000)
                         if ids:
                             result["inside"][name].append(inside)
+                        else:  # right after the library's own move, as a sweep would run
+                            result["floor"].append(_floor_ms(pipe))
                     elif not ids:
                         result["left_behind"] = len(check_devices(pipe))
                     if ids:
@@ -347,6 +382,7 @@ def measure(width: int, rounds: int, scales: Sequence[int] = SCALES, noting_us: 
         result["walk_ms"] = statistics.median(result.pop("walk"))
         result["walk_torch_ms"] = statistics.median(result.pop("walk_torch"))
         result["noted_torch_ms"] = statistics.median(result.pop("noted_torch"))
+        result["floor_ms"] = statistics.median(result.pop("floor"))
         result["noting_ms"] = noting_us * result["noted"] / 1000
     return results
 
@@ -436,6 +472,8 @@ def _judged(result: Dict[str, Any], largest: bool) -> Dict[str, Any]:
         "full_us_per_layer": result["walk_ms"] * 1000 / layers,
         "full_us_per_layer_torch": result["walk_torch_ms"] * 1000 / layers,
         "noted_us_per_layer_torch": result["noted_torch_ms"] * 1000 / layers,
+        "floor_us_per_layer": result["floor_ms"] * 1000 / layers,
+        "floor_share": result["floor_ms"] / base,
     }
 
 
@@ -460,6 +498,11 @@ def rows_for(result: Dict[str, Any], largest: bool = False) -> List[Dict[str, An
                       "simulation, warm)",
          "value": round(result["noted_torch_ms"], 2), "unit": "ms",
          "us_per_layer": round(judged["noted_us_per_layer_torch"], 2), "target": "reported", "met": True},
+        {"benchmark": f"{label}, walk floor right after the library's move: every module, every parameter's "
+                      "__dict__, the storage of each 4-bit weight (no record read, nothing checked)",
+         "value": round(result["floor_ms"], 2), "unit": "ms", "baseline": f"{base:.1f} ms",
+         "ratio": result["floor_ms"] / base, "us_per_layer": round(judged["floor_us_per_layer"], 2),
+         "target": "reported", "met": True},
         {"benchmark": f"{label}, full check (the sweep shim alone) on the simulated GPUs (nothing to move)",
          "value": round(result["walk_ms"], 2), "unit": "ms", "baseline": f"{base:.1f} ms",
          "ratio": result["walk_ms"] / base, "us_per_layer": round(judged["full_us_per_layer"], 2),
@@ -523,6 +566,9 @@ def run(rounds: int = 11, widths: Tuple[int, ...] = (256,), scales: Sequence[int
                   "(1.00x: linear)")
         for result in results:
             judged = _judged(result, result is last)
+            print(f"  {result['scale']}x walk floor right after the library's move (modules, parameters' __dict__, "
+                  f"storage lookups; nothing checked): {judged['floor_us_per_layer']:.2f} us per layer, "
+                  f"{judged['floor_share']:.2%} of the move")
             print(f"  {result['scale']}x ({result['noted']} of {result['layers']} states noted by the move): sweep "
                   f"<= {TARGET_US_PER_LAYER:g} us/layer: {_verdict(judged['per_layer_met'])}; "
                   f"<= {TARGET_SHARE:.0%} of the move: {_verdict(judged['share_met'])}"

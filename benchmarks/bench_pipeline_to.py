@@ -245,10 +245,13 @@ def _floor_ms(pipe: Any) -> float:
     read and nothing is checked or moved."""
     import torch
 
-    storage_of = torch._C._storage_id
+    from devmap_shims.devices.tensors import storage_id
+    from devmap_shims.hooks.diffusers.pipeline_to_sweep import _subclass_dispatch_off
+
+    storage_of = storage_id()  # what the sweep looks up, under the sweep's own dispatch setting
     found = 0
     start = time.perf_counter()
-    with torch._C.DisableTorchFunctionSubclass():
+    with _subclass_dispatch_off():
         for component in pipe.components.values():
             if not isinstance(component, torch.nn.Module):
                 continue

@@ -179,8 +179,8 @@ def test_tensor_subclass_dispatch_is_back_on_after_the_sweep():
 
 # -- states noted during the move ----------------------------------------------------------------------
 def noted_record(*params):
-    """A record noting each parameter's state for the device the parameter is on, as a move with
-    the quant-state shim notes them."""
+    """A record noting each parameter's state under the parameter's storage, as a move with the
+    quant-state shim notes them."""
     record = start_recording()
     try:
         for param in params:

@@ -151,9 +151,11 @@ class Record(dict):
 
 
 class _Recording(threading.local):
-    """Per thread: the record of the move in progress, or None."""
+    """Per thread: the record of the move in progress, or None; and the slot of the
+    ``Params4bit.to`` in progress (see :func:`start_weight_move`), or None."""
 
     entries = None  # type: Optional[Record]
+    weight_move = None  # type: Optional[List[Any]]
 
 
 _RECORDING = _Recording()
@@ -180,12 +182,20 @@ def stop_recording(entries: Optional[Record]) -> None:
 
 
 def align_and_note(state: Any, weight: Any) -> int:
-    """:func:`align_state` onto ``weight``'s device, and while a recording is open on this thread,
-    note ``state`` under the address of ``weight``'s storage, so the sweep after the move takes it
-    as checked for a parameter that still holds that storage. A state without a ``__dict__``
-    (:func:`align_state` cannot see its tensors) or a weight without a storage is not noted."""
-    global _storage_of
+    """:func:`align_state` onto ``weight``'s device, then :func:`note` it; returns how many
+    tensors moved."""
     moved = align_state(state, weight.device)
+    note(state, weight)
+    return moved
+
+
+def note(state: Any, weight: Any) -> None:
+    """While a recording is open on this thread, note ``state``, every tensor of which is on
+    ``weight``'s device, under the address of ``weight``'s storage, so the sweep after the move
+    takes it as checked for a parameter that still holds that storage. A state without a
+    ``__dict__`` (:func:`align_state` cannot see its tensors) or a weight without a storage is not
+    noted."""
+    global _storage_of
     entries = _RECORDING.entries
     if entries is not None and getattr(state, "__dict__", None):
         if _storage_of is None:
@@ -193,9 +203,8 @@ def align_and_note(state: Any, weight: Any) -> int:
         try:
             entries[_storage_of(weight)] = state
         except (RuntimeError, TypeError):  # no storage (a wrapper subclass), or no _storage_id
-            return moved
+            return
         entries.kept.append(weight)
-    return moved
 
 
 def noted(entries: Record, state: Any, param: Any) -> bool:
@@ -210,3 +219,34 @@ def noted(entries: Record, state: Any, param: Any) -> bool:
         return entries.get(_storage_of(param)) is state
     except (RuntimeError, TypeError):  # no storage, or nothing noted yet (no _storage_of)
         return False
+
+
+# -- the state a QuantState.to aligned inside a Params4bit.to ------------------------------------------
+# bitsandbytes' ``Params4bit.to`` moves its state with ``QuantState.to`` and hands that same state to
+# the parameter it returns. When the ``QuantState.to`` repair has just put every tensor of the state
+# on a device and the returned parameter is on that device, checking the state again tensor by
+# tensor reads each tensor's ``.device`` for nothing.
+def start_weight_move() -> Optional[List[Any]]:
+    """Open, on this thread, the slot of a ``Params4bit.to``: :func:`aligned_in_weight_move` fills
+    it. Returns the slot it replaces (a move inside a move), for :func:`stop_weight_move`."""
+    previous = _RECORDING.weight_move
+    _RECORDING.weight_move = [None, None]
+    return previous
+
+
+def stop_weight_move(previous: Optional[List[Any]]) -> Tuple[Any, Any]:
+    """Close the slot :func:`start_weight_move` opened, putting ``previous`` back; returns
+    ``(state, device)`` as the last :func:`aligned_in_weight_move` left them, or ``(None, None)``."""
+    slot = _RECORDING.weight_move
+    _RECORDING.weight_move = previous
+    if slot is None:
+        return None, None
+    return slot[0], slot[1]
+
+
+def aligned_in_weight_move(state: Any, device: Any) -> None:
+    """Tell the ``Params4bit.to`` in progress on this thread, if any, that every tensor of ``state``
+    is on ``device`` now (:func:`align_state` has just put them there)."""
+    slot = _RECORDING.weight_move
+    if slot is not None:
+        slot[0], slot[1] = state, device

@@ -6,7 +6,9 @@ Both repairs run after the original: every tensor of the quant state (``code``, 
 the returned parameter keeps ``bnb_quantized``; a parameter that already carries a quant state is
 never quantized again. ``Params4bit.to`` also runs inside ``torch.compile``d code, hence plain
 function layers (``compile_reachable``). ``.cuda()`` goes through ``.to()`` on every affected
-release. A state aligned by ``Params4bit.to`` during a ``pipe.to()`` is noted under the storage
+release. ``Params4bit.to`` moves its state with ``QuantState.to``: when that repair has just put
+every tensor of the state on the device the returned parameter is on, the state is not read
+again. A state aligned by ``Params4bit.to`` during a ``pipe.to()`` is noted under the storage
 of the weight it went with (``devices.quant_state.align_and_note``), so the pipeline-to-sweep
 shim does not read it again while the parameter holds that storage.
 ``Params4bit`` has no ``.cpu()`` of its own before 0.46, so ``module.cpu()`` leaves the state on
@@ -28,7 +30,17 @@ TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/r
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Tuple
 
-from devmap_shims.devices.quant_state import align_and_note, align_state, quant_state_of, state_tensors
+from devmap_shims.devices.quant_state import (
+    align_and_note,
+    align_state,
+    aligned_in_weight_move,
+    note,
+    quant_state_of,
+    start_weight_move,
+    state_tensors,
+    stop_weight_move,
+)
+from devmap_shims.devices.tensors import device_type
 from devmap_shims.scenarios import BugObserved, import_before_simulation, scenario
 from devmap_shims.shims import Shim, Target
 
@@ -45,6 +57,7 @@ def repair_quant_state_to(wrapped: Callable[..., Any], instance: Any, args: Tupl
         target = _concrete_device(device)
         if target is not None:
             align_state(instance, target)
+            aligned_in_weight_move(instance, target)  # a Params4bit.to in progress need not read it again
         else:
             for owner, attr, _name, tensor in list(state_tensors(instance)):
                 moved = tensor.to(device)
@@ -56,12 +69,13 @@ def repair_quant_state_to(wrapped: Callable[..., Any], instance: Any, args: Tupl
 def _concrete_device(device: Any) -> Any:
     """``device`` as a torch.device that tensors on it report (an index for accelerators), else None
     (``"cuda"`` alone means the current device: moving there is left to ``.to()``)."""
-    import torch
-
-    try:
-        target = torch.device(device)
-    except (RuntimeError, TypeError):
-        return None
+    torch_device = device_type()
+    target = device
+    if not isinstance(target, torch_device):  # Params4bit.to passes the torch.device it parsed
+        try:
+            target = torch_device(device)
+        except (RuntimeError, TypeError):
+            return None
     if target.index is None and target.type not in ("cpu", "meta"):
         return None
     return target
@@ -74,13 +88,20 @@ def repair_params4bit_to(wrapped: Callable[..., Any], instance: Any, args: Tuple
         # Produced by an unrepaired .to() (FLAG_BUG): the data is packed already, so moving it to a
         # GPU must not quantize it a second time.
         param.bnb_quantized = True
-    result = wrapped(*args, **kwargs)
+    previous = start_weight_move()
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        aligned, device = stop_weight_move(previous)
     if result is not param and getattr(param, "bnb_quantized", False) and not getattr(result, "bnb_quantized", True):
         result.bnb_quantized = True
     state = quant_state_of(result)
     if state is not None:
         # noted for a sweep after the move in progress (pipe.to()), which then need not check it again
-        align_and_note(state, result)
+        if state is aligned and result.device == device:
+            note(state, result)  # the QuantState.to repair inside this call put it all on that device
+        else:
+            align_and_note(state, result)
     return result
 
 

@@ -26,6 +26,7 @@ from bitsandbytes.nn import Int8Params, Params4bit  # noqa: E402
 import devmap_shims  # noqa: E402
 from devmap_shims.checks import check_devices  # noqa: E402
 from devmap_shims.compat_matrix import load_matrix  # noqa: E402
+from devmap_shims.devices import quant_state as quant_state_module  # noqa: E402
 from devmap_shims.devices.quant_state import noted, start_recording, state_tensors, stop_recording  # noqa: E402
 from devmap_shims.hooks.bitsandbytes import quant_state_follows_weight as hook  # noqa: E402
 from devmap_shims.testing.nf4 import linear4bit, params4bit  # noqa: E402
@@ -215,6 +216,92 @@ def test_a_move_while_a_record_is_open_notes_the_state_for_the_weight_it_went_wi
     assert noted(record, param.quant_state, param)
     again = moved.to("cuda:0")  # the record is closed: nothing more is noted
     assert len(record) == 1 and not noted(record, again.quant_state, again)
+
+
+# -- one check per move: QuantState.to inside Params4bit.to -------------------------------------------
+def _count_checks(monkeypatch):
+    """Every state ``align_state`` is asked to check, from the shim and from ``align_and_note``."""
+    checked = []
+    real = quant_state_module.align_state
+
+    def counting(state, device, *rest):
+        checked.append(state)
+        return real(state, device, *rest)
+
+    monkeypatch.setattr(hook, "align_state", counting)
+    monkeypatch.setattr(quant_state_module, "align_state", counting)
+    return checked
+
+
+@SIM
+@pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
+def test_a_params4bit_move_checks_its_state_once(shim, monkeypatch, nested):
+    checked = _count_checks(monkeypatch)
+    param = params4bit(weight(), "cuda:0", compress_statistics=nested)
+    record = start_recording()
+    try:
+        moved = param.to("cuda:1")
+    finally:
+        stop_recording(record)
+    assert set(state_devices(moved).values()) == {"cuda:1"}
+    # bitsandbytes moves the state with QuantState.to, whose repair checks it; the state the
+    # parameter comes back with is that one, on that device, so it is noted without a second check
+    assert sum(state is moved.quant_state for state in checked) == 1
+    assert noted(record, moved.quant_state, moved)
+    assert quant_state_module._RECORDING.weight_move is None  # the slot is closed
+
+
+@SIM
+def test_a_state_aligned_for_another_device_or_another_state_is_checked_again(no_shim):
+    original_to = vars(Params4bit)["to"]
+    param = params4bit(weight(), "cuda:0", compress_statistics=True)
+    other = params4bit(weight(seed=1), "cuda:0", compress_statistics=True)
+    original_qs_to = vars(QuantState)["to"]
+
+    def aligns_then_returns(aligned, device, returned):
+        def original(*args, **kwargs):  # QuantState.to with its repair inside the move, then a parameter
+            hook.repair_quant_state_to(original_qs_to.__get__(aligned), aligned, (device,), {})
+            return returned
+        return original
+
+    # aligned for cuda:1, but the parameter returned is on cuda:0: the state goes back to cuda:0
+    moved = hook.repair_params4bit_to(aligns_then_returns(param.quant_state, "cuda:1", param), param, ("cuda:1",), {})
+    assert moved is param and set(state_devices(moved).values()) == {"cuda:0"}
+    # aligned for the device the parameter returned is on, but another state than the one it
+    # carries, whose code is on cuda:1: that one is checked and its code comes back
+    other.quant_state.code = other.quant_state.code.to("cuda:1")
+    moved = hook.repair_params4bit_to(aligns_then_returns(param.quant_state, "cuda:0", other), other, ("cuda:0",), {})
+    assert moved is other and set(state_devices(other).values()) == {"cuda:0"}
+
+
+@SIM
+def test_quant_state_to_outside_a_params4bit_move_keeps_nothing_on_the_thread(shim):
+    import gc
+    import weakref
+
+    param = params4bit(weight(), "cuda:0", compress_statistics=True)
+    state = param.quant_state
+    state.to("cuda:1")
+    assert set(state_devices(param).values()) == {"cuda:1"}
+    assert quant_state_module._RECORDING.weight_move is None
+    gone = weakref.ref(state)
+    del param, state
+    gc.collect()
+    assert gone() is None  # a state (GPU tensors) the user dropped is not held by the layer
+
+
+def test_a_params4bit_move_inside_another_restores_the_outer_slot():
+    outer = quant_state_module.start_weight_move()
+    try:
+        quant_state_module.aligned_in_weight_move("outer state", "cuda:1")
+        inner = quant_state_module.start_weight_move()
+        quant_state_module.aligned_in_weight_move("inner state", "cuda:0")
+        assert quant_state_module.stop_weight_move(inner) == ("inner state", "cuda:0")
+    finally:
+        assert quant_state_module.stop_weight_move(outer) == ("outer state", "cuda:1")
+    assert quant_state_module._RECORDING.weight_move is None
+    quant_state_module.aligned_in_weight_move("no move open", "cuda:1")  # nothing to fill, nothing kept
+    assert quant_state_module._RECORDING.weight_move is None
 
 
 # -- pass-through -----------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from devmap_shims.devices.quant_state import (
     align_and_note,
     align_state,
     aligned_in_weight_move,
+    forget,
     note,
     quant_state_of,
     start_weight_move,
@@ -52,8 +53,11 @@ FLAG_BUG = "bnb-params4bit-to-drops-bnb_quantized"
 def repair_quant_state_to(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """``QuantState.to(device)``, then move whatever it left behind (``code``) to ``device``."""
     result = wrapped(*args, **kwargs)
+    if instance is None:
+        return result
+    forget(instance)  # noted for where it was: the sweep after a move checks it unless noted again
     device = args[0] if args else kwargs.get("device")
-    if device is not None and instance is not None:
+    if device is not None:
         target = _concrete_device(device)
         if target is not None:
             align_state(instance, target)

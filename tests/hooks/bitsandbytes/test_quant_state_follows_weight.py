@@ -200,22 +200,44 @@ def test_module_round_trips_and_dtype_moves_keep_state_consistent_and_weights_id
 # -- noting the states it aligned, for a sweep after the move ------------------------------------------
 @SIM
 def test_a_move_while_a_record_is_open_notes_the_state_for_the_weight_it_went_with(shim):
+    import gc
+    import weakref
+
     param = params4bit(weight(), "cuda:0", compress_statistics=True)
     other = params4bit(weight(seed=1), "cuda:0")
     record = start_recording()
     try:
         moved = param.to("cuda:1")
+        assert set(state_devices(moved).values()) == {"cuda:1"}
+        assert list(record.values()) == [moved.quant_state]
+        assert noted(record, moved.quant_state, moved) and not noted(record, other.quant_state, other)
+        assert not noted(record, param.quant_state, param)  # the state went to cuda:1; param is still on cuda:0
+        param.data = moved.data  # what Module._apply does with the result
+        assert noted(record, param.quant_state, param)
+        returned = weakref.ref(moved)
+        del moved
+        gc.collect()
+        assert returned() is None  # the record holds no weight: the parameter the move returned is gone
+        assert noted(record, param.quant_state, param)  # and the note still holds for the one in place
     finally:
         stop_recording(record)
-    assert set(state_devices(moved).values()) == {"cuda:1"}
-    assert list(record.values()) == [moved.quant_state]
-    assert record.kept == [moved]  # the weight kept alive: no other storage takes its address
-    assert noted(record, moved.quant_state, moved) and not noted(record, other.quant_state, other)
-    assert not noted(record, param.quant_state, param)  # the state went to cuda:1; param is still on cuda:0
-    param.data = moved.data  # what Module._apply does with the result
-    assert noted(record, param.quant_state, param)
-    again = moved.to("cuda:0")  # the record is closed: nothing more is noted
+    again = param.to("cuda:0")  # the record is closed: nothing more is noted
     assert len(record) == 1 and not noted(record, again.quant_state, again)
+
+
+@SIM
+def test_a_noted_state_moved_again_by_quant_state_to_is_no_longer_noted(shim):
+    param = params4bit(weight(), "cuda:0", compress_statistics=True)
+    record = start_recording()
+    try:
+        moved = param.to("cuda:1")
+        assert noted(record, moved.quant_state, moved)
+        moved.quant_state.to("cuda:0")  # the weight stays on cuda:1: a sweep must see the state now
+        assert not noted(record, moved.quant_state, moved) and len(record) == 0
+        again = moved.to("cuda:0")  # moved with its weight: noted again, for the weight's storage
+        assert noted(record, again.quant_state, again) and len(record) == 1
+    finally:
+        stop_recording(record)
 
 
 # -- one check per move: QuantState.to inside Params4bit.to -------------------------------------------

@@ -241,23 +241,44 @@ def test_a_parameter_given_another_state_after_the_note_is_checked(checks):
         assert checks[0] is other and set(devices(other).values()) == {"cuda:1"}
 
 
-def test_a_note_keeps_its_weight_alive_until_the_record_is_dropped():
-    """While a record is open no other storage can take the address of a noted weight's storage
-    (a parameter moved again in the meantime must not pass for the one noted)."""
+def test_a_note_holds_no_weight():
+    """A record keeps no parameter alive: hundreds of them held through a move would be traversed
+    by every garbage collection while it runs."""
     import gc
     import weakref
 
     with simulated_gpus(2, memory="1GiB"), torch.no_grad():
         layer = make_layer()
-    # the simulation is over (plain CPU tensors): nothing but the record refers to the weight
+    # the simulation is over (plain CPU tensors): nothing but the record could refer to the weight
     record = noted_record(layer.weight)
-    kept = weakref.ref(layer.weight)
+    state = layer.weight.quant_state
+    gone = weakref.ref(layer.weight)
     layer.weight = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
     gc.collect()
-    assert kept() is not None
-    del record
-    gc.collect()
-    assert kept() is None
+    assert gone() is None
+    assert list(record.values()) == [state]
+
+
+def test_a_state_noted_again_is_noted_only_under_its_latest_storage(checks):
+    """The same state noted with a second weight (a parameter moved twice in one move): a
+    parameter still holding the first weight's storage is checked."""
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+        state = layer.weight.quant_state
+        first = layer.weight
+        record = start_recording()
+        try:
+            align_and_note(state, first)
+            second = torch.nn.Parameter(first.data.clone(), requires_grad=False)
+            second.quant_state = state
+            align_and_note(state, second)
+        finally:
+            stop_recording(record)
+        assert list(record.values()) == [state]
+        assert noted(record, state, second) and not noted(record, state, first)
+        stray(state, ["code"])
+        assert hook.sweep_module(layer, record) == 1  # layer.weight is still the first
+        assert checks == [state] and set(devices(state).values()) == {"cuda:1"}
 
 
 def test_a_weight_without_a_storage_is_not_noted():

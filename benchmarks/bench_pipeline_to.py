@@ -16,6 +16,8 @@ each time moving the pipeline to the other GPU:
 
 * ``none``: the library alone (on bitsandbytes < 0.45.3 it leaves one NF4 table per layer behind,
   counted in the table);
+* ``quant-state``: the quant-state shim alone (its checks, and the tables it moves where the
+  library leaves them);
 * ``sweep``: the pipeline-to-sweep shim only: a full check of every state, plus moving the tables
   left behind;
 * ``sweep+quant-state``: both shims, as ``install()`` arms them on an affected stack (the sweep
@@ -24,6 +26,12 @@ each time moving the pipeline to the other GPU:
 * the sweep inside each shimmed move, timed in the shim itself;
 * a full check right after a move, on a pipeline where nothing is out of place: what the sweep
   costs for states the move did not note (all of them with the sweep shim alone);
+* the sweep shim side by side: ``sweep+quant-state`` minus ``quant-state``, the median of the
+  per-round differences. It holds everything the sweep shim adds to a move the quant-state shim
+  makes anyway (the sweep, the record and its notes, and what they cost the move around them,
+  such as garbage collections: the count of each generation's collections during the measured
+  moves is printed per shim set). It is the difference of two whole moves, so it moves by a few
+  us per layer from run to run; the judged figure is composed from parts timed on their own;
 * the walk floor right after the library's own move: every module visited, every parameter's
   ``__dict__`` read and each 4-bit weight's storage looked up, with no record read and nothing
   checked: the least a sweep that finds every state and tells a moved parameter from a noted one
@@ -66,9 +74,11 @@ SINGLE_BLOCKS = 38
 SCALES = (1, 8)
 SHIMS = {
     "none": (),
+    "quant-state": ("quant-state-follows-weight",),
     "sweep": ("pipeline-to-sweep",),
     "sweep+quant-state": ("pipeline-to-sweep", "quant-state-follows-weight"),
 }
+SWEEPING = tuple(name for name, ids in SHIMS.items() if "pipeline-to-sweep" in ids)
 # (in, out) of each Linear4bit of a block, in units of the width
 DOUBLE_SHAPES = ((1, 6), (1, 6)) + ((1, 1),) * 8 + ((1, 4), (4, 1)) * 2
 SINGLE_SHAPES = ((1, 3), (1, 4), (5, 1)) + ((1, 1),) * 3
@@ -293,6 +303,25 @@ def _sweeps_timed() -> Iterator[List[Tuple[float, Any]]]:
         hook.sweep_pipeline = original
 
 
+@contextlib.contextmanager
+def _collections_counted() -> Iterator[List[int]]:
+    """Count the garbage collections of each generation while it is open: yields a list of three
+    counts that the caller may reset."""
+    import gc
+
+    counts = [0, 0, 0]
+
+    def counted(phase: str, info: Dict[str, Any]) -> None:
+        if phase == "stop":
+            counts[info["generation"]] += 1
+
+    gc.callbacks.append(counted)
+    try:
+        yield counts
+    finally:
+        gc.callbacks.remove(counted)
+
+
 def _noted_record(pipe: Any) -> Any:
     """A record that notes every 4-bit weight's state under the weight's storage, as
     ``Params4bit.to`` with the quant-state shim notes them during a move."""
@@ -323,12 +352,13 @@ def measure(width: int, rounds: int, scales: Sequence[int] = SCALES, noting_us: 
 
     results = [
         {"scale": scale, "width": width, "rounds": rounds, "times": {name: [] for name in SHIMS},
-         "inside": {name: [] for name in SHIMS if name != "none"}, "walk": [], "walk_torch": [], "noted_torch": [],
-         "floor": [], "left_behind": 0, "noted": 0}
+         "inside": {name: [] for name in SWEEPING}, "walk": [], "walk_torch": [], "noted_torch": [],
+         "floor": [], "left_behind": 0, "noted": 0, "collections": {name: [0, 0, 0] for name in SHIMS}}
         for scale in scales
     ]
     memory = max(8 << 30, 2 * tree_bytes(width, max(scales)) + (1 << 30))
-    with simulated_gpus(2, memory=memory), torch.no_grad(), _sweeps_timed() as sweeps:
+    with simulated_gpus(2, memory=memory), torch.no_grad(), _sweeps_timed() as sweeps, \
+            _collections_counted() as collections:
         pipes = []
         for result in results:
             print(f"  building the {result['scale']}x tree ...", file=sys.stderr, flush=True)
@@ -346,19 +376,22 @@ def measure(width: int, rounds: int, scales: Sequence[int] = SCALES, noting_us: 
                     _install(ids)
                     where[k] = 1 - where[k]
                     del sweeps[:]
+                    collections[:] = [0, 0, 0]
                     start = time.perf_counter()
                     pipe.to(f"cuda:{where[k]}")
                     elapsed = time.perf_counter() - start
-                    if ids:
+                    if name in SWEEPING:
                         (inside, record), = sweeps  # one sweep per pipeline move
                         assert bool(record) == ("quant-state-follows-weight" in ids), name
                         if record:
                             result["noted"] = len(record)
                     if round_:
                         result["times"][name].append(elapsed * 1000)
-                        if ids:
+                        for generation, count in enumerate(collections):
+                            result["collections"][name][generation] += count
+                        if name in SWEEPING:
                             result["inside"][name].append(inside)
-                        else:  # right after the library's own move, as a sweep would run
+                        elif not ids:  # right after the library's own move, as a sweep would run
                             result["floor"].append(_floor_ms(pipe))
                     elif not ids:
                         result["left_behind"] = len(check_devices(pipe))
@@ -380,6 +413,11 @@ def measure(width: int, rounds: int, scales: Sequence[int] = SCALES, noting_us: 
                 if round_:
                     results[k][key].append(walk)
     for result in results:
+        times = result["times"]
+        # what the sweep shim adds to a move the quant-state shim makes anyway, side by side in
+        # each round: the sweep, the record, its notes and whatever they cost the move around them
+        result["sweep_added_ms"] = statistics.median(
+            both - alone for both, alone in zip(times["sweep+quant-state"], times["quant-state"]))
         result["median_ms"] = {name: statistics.median(v) for name, v in result.pop("times").items()}
         result["inside_ms"] = {name: statistics.median(v) for name, v in result.pop("inside").items()}
         result["walk_ms"] = statistics.median(result.pop("walk"))
@@ -416,45 +454,45 @@ def per_layer_wrapper_cost(calls: int = 400, batches: int = 10) -> Dict[str, flo
     return {"plain_us": plain, "shimmed_us": shimmed, "added_us": shimmed - plain}
 
 
-def noting_cost(calls: int = 20000, batches: int = 9) -> Dict[str, float]:
-    """What noting a state costs ``Params4bit.to`` while a sweep's record is open: the quant-state
-    shim's check of one layer's state (``align_state``) against the same check that also notes it
-    (``align_and_note``), in batches whose order alternates, on the simulated GPUs. Per layer, in
-    us (the median of the batches' paired differences, never below 0); it is part of what the
+def noting_cost(layers: int = 495, batches: int = 15) -> Dict[str, float]:
+    """What noting the states costs a move while a sweep's record is open, on the simulated GPUs:
+    for ``layers`` 4-bit weights (one tree's worth, so the record grows as in a move), what the
+    quant-state shim does for each (``QuantState.to``'s repair drops the state's note and checks
+    it; ``Params4bit.to``'s notes it for the weight it returns), with a record open against the
+    same calls with none open, where dropping and noting do nothing. Batches alternate; per layer,
+    in us (the median of the batches' paired differences, never below 0). It is part of what the
     sweep costs with both shims, since the sweep reads the note instead of the state."""
     import torch
 
-    from devmap_shims.devices.quant_state import align_and_note, align_state, start_recording, stop_recording
+    from devmap_shims.devices.quant_state import align_state, forget, note, start_recording, stop_recording
     from devmap_shims.testing import simulated_gpus
 
     times: Dict[str, List[float]] = {"check": [], "check+note": []}
     added: List[float] = []
     with simulated_gpus(2, memory="1GiB"), torch.no_grad():
-        weight = _linear4bit(256, 256, "cuda:1").weight
-        state = weight.quant_state
+        weights = [_linear4bit(64, 64, "cuda:1").weight for _ in range(layers)]
 
-        def check() -> None:  # what the shim did before it noted: read the weight's device, check
-            for _ in range(calls):
-                align_state(state, weight.device)
+        def shim_calls(recording: bool) -> int:
+            record = start_recording() if recording else None
+            try:
+                for weight in weights:
+                    state = weight.quant_state
+                    forget(state)
+                    align_state(state, weight.device)
+                    note(state, weight)
+            finally:
+                stop_recording(record)
+            return len(record or ())
 
-        def check_and_note() -> None:
-            for _ in range(calls):
-                align_and_note(state, weight)
-
-        record = start_recording()
-        try:
-            for batch in range(batches + 1):
-                for name, fn in ((("check", check), ("check+note", check_and_note)) if batch % 2
-                                 else (("check+note", check_and_note), ("check", check))):
-                    start = time.perf_counter()
-                    fn()
-                    if batch:
-                        times[name].append((time.perf_counter() - start) / calls)
+        for batch in range(batches + 1):
+            for name in (("check", "check+note") if batch % 2 else ("check+note", "check")):
+                start = time.perf_counter()
+                noted = shim_calls(name == "check+note")
                 if batch:
-                    added.append(times["check+note"][-1] - times["check"][-1])
-        finally:
-            stop_recording(record)
-        assert record is not None and len(record) == 1
+                    times[name].append((time.perf_counter() - start) / layers)
+                assert noted == (layers if name == "check+note" else 0)
+            if batch:
+                added.append(times["check+note"][-1] - times["check"][-1])
     # the median of the paired differences; a negative one is noise and is not credited to the sweep
     return {"check_us": statistics.median(times["check"]) * 1e6, "noting_us": max(0.0, statistics.median(added) * 1e6)}
 
@@ -477,6 +515,8 @@ def _judged(result: Dict[str, Any], largest: bool) -> Dict[str, Any]:
         "noted_us_per_layer_torch": result["noted_torch_ms"] * 1000 / layers,
         "floor_us_per_layer": result["floor_ms"] * 1000 / layers,
         "floor_share": result["floor_ms"] / base,
+        "side_us_per_layer": result["sweep_added_ms"] * 1000 / layers,
+        "side_share": result["sweep_added_ms"] / base,
     }
 
 
@@ -514,10 +554,21 @@ def rows_for(result: Dict[str, Any], largest: bool = False) -> List[Dict[str, An
          "value": round(result["walk_torch_ms"], 2), "unit": "ms",
          "us_per_layer": round(judged["full_us_per_layer_torch"], 2), "target": "reported", "met": True},
     ]
-    for name in ("sweep", "sweep+quant-state"):
+    rows.append({
+        "benchmark": f"{label}, the sweep shim side by side: sweep+quant-state minus the quant-state shim alone, "
+                     "median of the per-round differences (the sweep, the record, its notes and what they cost the "
+                     "move around them, garbage collection included)",
+        "value": round(result["sweep_added_ms"], 2), "unit": "ms", "baseline": f"{base:.1f} ms",
+        "ratio": result["sweep_added_ms"] / base, "us_per_layer": round(judged["side_us_per_layer"], 2),
+        "collections": {name: counts for name, counts in result["collections"].items()},
+        "target": "reported", "met": True,
+    })
+    for name in ("quant-state", "sweep", "sweep+quant-state"):
         added = result["median_ms"][name] - base
+        what = "repair's checks + moving what was left behind" if "sweep" not in name else \
+            "sweep + moving what was left behind"
         rows.append({
-            "benchmark": f"{label}, + {name}: added (sweep + moving what was left behind)",
+            "benchmark": f"{label}, + {name}: added ({what})",
             "value": round(added, 2), "unit": "ms", "baseline": f"{base:.1f} ms",
             "ratio": result["median_ms"][name] / base, "target": "reported", "met": True,
         })
@@ -572,6 +623,12 @@ def run(rounds: int = 11, widths: Tuple[int, ...] = (256,), scales: Sequence[int
             print(f"  {result['scale']}x walk floor right after the library's move (modules, parameters' __dict__, "
                   f"storage lookups; nothing checked): {judged['floor_us_per_layer']:.2f} us per layer, "
                   f"{judged['floor_share']:.2%} of the move")
+            collections = "; ".join(f"{name} {'/'.join(map(str, counts))}"
+                                    for name, counts in result["collections"].items())
+            print(f"  {result['scale']}x the sweep shim side by side (both shims minus the quant-state shim alone, "
+                  f"median of per-round differences): {result['sweep_added_ms']:+.2f} ms, "
+                  f"{judged['side_us_per_layer']:+.2f} us per layer, {judged['side_share']:+.2%} of the move; "
+                  f"garbage collections in the {result['rounds']} measured moves (generations 0/1/2): {collections}")
             print(f"  {result['scale']}x ({result['noted']} of {result['layers']} states noted by the move): sweep "
                   f"<= {TARGET_US_PER_LAYER:g} us/layer: {_verdict(judged['per_layer_met'])}; "
                   f"<= {TARGET_SHARE:.0%} of the move: {_verdict(judged['share_met'])}"
@@ -579,7 +636,7 @@ def run(rounds: int = 11, widths: Tuple[int, ...] = (256,), scales: Sequence[int
         layers = first["layers"]
     print(f"noting a state for the sweep: {noting['noting_us']:+.2f} us per layer on the quant-state shim's "
           f"{noting['check_us']:.2f} us check")
-    rows.append({"benchmark": "quant-state shim noting one layer's state for the sweep (align_and_note vs align_state, "
+    rows.append({"benchmark": "quant-state shim noting the states of 495 layers for the sweep (a record open vs none, "
                               "simulated GPUs): added per layer", "value": round(noting["noting_us"], 3), "unit": "us",
                  "baseline": f"{noting['check_us']:.2f} us", "target": "reported", "met": True})
     wrapper = per_layer_wrapper_cost()

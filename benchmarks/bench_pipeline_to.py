@@ -11,8 +11,10 @@ real GPUs, where moving 6 GB across GPUs takes tens to hundreds of milliseconds 
 trees do not fit in half the available host memory at the width asked for, the width is halved
 until they do, and the output says so.
 
-Measured side by side, alternating the trees and the shim sets in each round (median over rounds),
-each time moving the pipeline to the other GPU:
+Measured side by side, the order of the trees and of the shim sets alternating from round to round
+(median over rounds), each time moving the pipeline to the other GPU; what the library alone left
+behind is put back with its weights after its move (untimed), so every move starts from the same
+layout and has the same tables to carry:
 
 * ``none``: the library alone (on bitsandbytes < 0.45.3 it leaves one NF4 table per layer behind,
   counted in the table);
@@ -248,6 +250,15 @@ def _walk_ms(pipe: Any, record: Any = None) -> float:
     return elapsed * 1000
 
 
+def _realign(pipe: Any) -> None:
+    """Move every quant-state tensor the library left behind onto its weight's device."""
+    from devmap_shims.hooks.diffusers.pipeline_to_sweep import sweep_module
+
+    for component in pipe.components.values():
+        if hasattr(component, "modules"):
+            sweep_module(component)
+
+
 def _floor_ms(pipe: Any) -> float:
     """The least a sweep that finds every quant state and tells whether its parameter still holds
     the storage it was noted with can do: visit every module, read every parameter's ``__dict__``
@@ -372,7 +383,8 @@ def measure(width: int, rounds: int, scales: Sequence[int] = SCALES, noting_us: 
             order = range(len(results)) if round_ % 2 else range(len(results) - 1, -1, -1)
             for k in order:
                 result, pipe = results[k], pipes[k]
-                for name, ids in SHIMS.items():
+                for name in (list(SHIMS) if round_ % 2 else list(SHIMS)[::-1]):
+                    ids = SHIMS[name]
                     _install(ids)
                     where[k] = 1 - where[k]
                     del sweeps[:]
@@ -397,6 +409,8 @@ def measure(width: int, rounds: int, scales: Sequence[int] = SCALES, noting_us: 
                         result["left_behind"] = len(check_devices(pipe))
                     if ids:
                         assert check_devices(pipe) == [], f"{name} left tensors behind"
+                    else:  # untimed: put back what the library left behind, so that every move starts
+                        _realign(pipe)  # from the layout a repaired one leaves (and repairs as much)
                 devmap_shims.uninstall()
                 walk = _walk_ms(pipe)  # a full check right after the move, as the sweep shim alone runs it
                 if round_:

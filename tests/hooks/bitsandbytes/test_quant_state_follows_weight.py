@@ -240,6 +240,24 @@ def test_a_noted_state_moved_again_by_quant_state_to_is_no_longer_noted(shim):
         stop_recording(record)
 
 
+# -- align_state --------------------------------------------------------------------------------------
+@SIM
+def test_align_state_reads_the_init_attributes_by_name_and_walks_any_other_layout():
+    from devmap_shims.devices.quant_state import align_state
+
+    param = params4bit(weight(), "cuda:1", compress_statistics=True)
+    state = param.quant_state
+    assert tuple(vars(state)) == quant_state_module._INIT_ATTRIBUTES  # what this bitsandbytes sets
+    state.code = state.code.to("cuda:0")
+    state.state2.absmax = state.state2.absmax.to("cuda:0")
+    assert align_state(state, "cuda:1") == 2 and set(state_devices(param).values()) == {"cuda:1"}
+    # a tensor a later release might add: the state no longer has exactly those attributes
+    state.scales = torch.ones(4, device="cuda:0")
+    state.state2.scales = torch.ones(4, device="cuda:0")
+    assert align_state(state, "cuda:1") == 2
+    assert str(state.scales.device) == str(state.state2.scales.device) == "cuda:1"
+
+
 # -- one check per move: QuantState.to inside Params4bit.to -------------------------------------------
 def _count_checks(monkeypatch):
     """Every state ``align_state`` is asked to check, from the shim and from ``align_and_note``."""

@@ -46,8 +46,8 @@ layout and has the same tables to carry:
   which costs the same with or without the simulation).
 
 Targets, for the sweep with both shims: what it costs inside ``pipe.to()`` plus what noting the
-states cost the move (measured on one layer's state, ``align_and_note`` against ``align_state``,
-times the states noted) is <= 4 us per ``Linear4bit`` layer, < 20 ms for the 8x tree, and <= 2 %
+states cost the move (:func:`noting_cost`: per layer, a record open against none, times the states
+noted) is <= 4 us per ``Linear4bit`` layer, < 20 ms for the 8x tree, and <= 2 %
 of the library's own move, at both sizes. Moving the tables left behind is the repair itself (the
 copies bitsandbytes >= 0.45.3 makes inside ``.to()``); on the simulator each copy costs what a
 weight copy costs, so those rows are reported, not judged. The shims are forced on, so the
@@ -251,12 +251,12 @@ def _walk_ms(pipe: Any, record: Any = None) -> float:
 
 
 def _realign(pipe: Any) -> None:
-    """Move every quant-state tensor the library left behind onto its weight's device."""
-    from devmap_shims.hooks.diffusers.pipeline_to_sweep import sweep_module
+    """Move every quant-state tensor the library left behind onto its weight's device: the sweep's
+    own pass over the components (under :func:`_sweeps_timed` it is recorded too, and dropped
+    before the next move)."""
+    from devmap_shims.hooks.diffusers.pipeline_to_sweep import sweep_pipeline
 
-    for component in pipe.components.values():
-        if hasattr(component, "modules"):
-            sweep_module(component)
+    sweep_pipeline(pipe)
 
 
 def _floor_ms(pipe: Any) -> float:

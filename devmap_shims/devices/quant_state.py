@@ -168,6 +168,13 @@ class Record(dict):
         super().__init__()
         self.under: Dict[int, int] = {}
 
+    def drop(self, state: Any) -> None:
+        """Drop the note of ``state``, if it has one (an address noted since for another state
+        stays)."""
+        address = self.under.pop(id(state), None)
+        if address is not None and self.get(address) is state:
+            del self[address]
+
 
 class _Recording(threading.local):
     """Per thread: the record of the move in progress, or None; and the slot of the
@@ -223,9 +230,8 @@ def note(state: Any, weight: Any) -> None:
             address = _storage_of(weight)
         except (RuntimeError, TypeError):  # no storage (a wrapper subclass), or no _storage_id
             return
-        previous = entries.under.get(id(state))
-        if previous is not None and previous != address and entries.get(previous) is state:
-            del entries[previous]  # the state went with another weight since: only the latest counts
+        if entries.under.get(id(state), address) != address:
+            entries.drop(state)  # the state went with another weight since: only the latest counts
         entries[address] = state
         entries.under[id(state)] = address
 
@@ -235,9 +241,7 @@ def forget(state: Any) -> None:
     moved (``QuantState.to``), so the device it was noted for may no longer be theirs."""
     entries = _RECORDING.entries
     if entries:
-        address = entries.under.pop(id(state), None)
-        if address is not None and entries.get(address) is state:
-            del entries[address]
+        entries.drop(state)
 
 
 def noted(entries: Record, state: Any, param: Any) -> bool:

@@ -149,10 +149,15 @@ def _align_known_by_getattr(state: Any, device: Any, names: Any = None) -> int:
 
 # -- the states aligned during a move -----------------------------------------------------------------
 class Record(dict):
-    """The states aligned during one move: ``storage address of a weight -> its quant state``,
-    each state noted when every one of its tensors was put on that weight's device, and only under
-    the storage of the latest weight it went with (``under``: ``id(state) -> address``). A state
-    that ``QuantState.to`` moves again is no longer noted (:func:`forget`).
+    """The states aligned during one move: ``id(state) -> address of the storage of the weight it
+    went with``, each state noted when every one of its tensors was put on that weight's device,
+    and only for the latest weight it went with (noting it again replaces the address). A state
+    that ``QuantState.to`` moves again is no longer noted (:func:`forget`). ``states`` keeps the
+    noted states alive while the record is open, so that no other object takes a noted id.
+
+    One dictionary keyed by the state, rather than one keyed by the storage plus one to find a
+    state's entry again: every note and every drop is one hash operation, and noting a state
+    again replaces its earlier note by itself.
 
     The record holds no weight and no storage, only addresses and the states, which the model
     holds anyway. Holding the weights would keep hundreds of parameters alive through the move
@@ -162,18 +167,11 @@ class Record(dict):
     (which notes the state again); for another storage to pass for it, that parameter would need
     new data a second time, at the dead storage's address, with the same state."""
 
-    __slots__ = ("under",)
+    __slots__ = ("states",)
 
     def __init__(self) -> None:
         super().__init__()
-        self.under: Dict[int, int] = {}
-
-    def drop(self, state: Any) -> None:
-        """Drop the note of ``state``, if it has one (an address noted since for another state
-        stays)."""
-        address = self.under.pop(id(state), None)
-        if address is not None and self.get(address) is state:
-            del self[address]
+        self.states: List[Any] = []
 
 
 class _Recording(threading.local):
@@ -230,10 +228,8 @@ def note(state: Any, weight: Any) -> None:
             address = _storage_of(weight)
         except (RuntimeError, TypeError):  # no storage (a wrapper subclass), or no _storage_id
             return
-        if entries.under.get(id(state), address) != address:
-            entries.drop(state)  # the state went with another weight since: only the latest counts
-        entries[address] = state
-        entries.under[id(state)] = address
+        entries[id(state)] = address  # a note for an earlier weight is replaced: only the latest counts
+        entries.states.append(state)
 
 
 def forget(state: Any) -> None:
@@ -241,7 +237,7 @@ def forget(state: Any) -> None:
     moved (``QuantState.to``), so the device it was noted for may no longer be theirs."""
     entries = _RECORDING.entries
     if entries:
-        entries.drop(state)
+        entries.pop(id(state), None)
 
 
 def noted(entries: Record, state: Any, param: Any) -> bool:
@@ -253,7 +249,7 @@ def noted(entries: Record, state: Any, param: Any) -> bool:
     after the note (``Tensor.cpu()`` on bitsandbytes < 0.46, ``param.data = ...``) is not taken as
     checked, even when that storage is on the same device."""
     try:
-        return entries.get(_storage_of(param)) is state
+        return entries.get(id(state)) == _storage_of(param)
     except (RuntimeError, TypeError):  # no storage, or nothing noted yet (no _storage_of)
         return False
 

@@ -256,7 +256,24 @@ def test_a_note_holds_no_weight():
     layer.weight = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
     gc.collect()
     assert gone() is None
-    assert list(record.values()) == [state]
+    assert list(record) == [id(state)]
+
+
+def test_a_noted_state_lives_as_long_as_the_record():
+    """Notes are keyed by the state's id: while the record is open, no other object may take it."""
+    import gc
+    import weakref
+
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+    record = noted_record(layer.weight)
+    state = weakref.ref(layer.weight.quant_state)
+    del layer
+    gc.collect()
+    assert state() is not None and list(record) == [id(state())]
+    del record
+    gc.collect()
+    assert state() is None
 
 
 def test_a_state_noted_again_is_noted_only_under_its_latest_storage(checks):
@@ -274,7 +291,7 @@ def test_a_state_noted_again_is_noted_only_under_its_latest_storage(checks):
             align_and_note(state, second)
         finally:
             stop_recording(record)
-        assert list(record.values()) == [state]
+        assert list(record) == [id(state)]
         assert noted(record, state, second) and not noted(record, state, first)
         stray(state, ["code"])
         assert hook.sweep_module(layer, record) == 1  # layer.weight is still the first

@@ -47,12 +47,12 @@ layout and has the same tables to carry:
 
 Targets, for the sweep with both shims: what it costs inside ``pipe.to()`` plus what noting the
 states cost the move (:func:`noting_cost`, on as many states as the tree has: per layer, a record
-open against none, times the states noted) is <= 4 us per ``Linear4bit`` layer, < 20 ms for the 8x tree, and <= 2 %
-of the library's own move, at both sizes. Moving the tables left behind is the repair itself (the
-copies bitsandbytes >= 0.45.3 makes inside ``.to()``); on the simulator each copy costs what a
-weight copy costs, so those rows are reported, not judged. The shims are forced on, so the
-benchmark runs on any stack: on an affected one (mid-2025) it shows the repair, on a fixed one
-(current) ``+ sweep`` is the walk alone in place.
+open against none, times the states noted) is <= 4 us per ``Linear4bit`` layer, < 20 ms for the
+8x tree, and <= 2 % of the library's own move, at both sizes. Moving the tables left behind is
+the repair itself (the copies bitsandbytes >= 0.45.3 makes inside ``.to()``); on the simulator
+each copy costs what a weight copy costs, so those rows are reported, not judged. The shims are
+forced on, so the benchmark runs on any stack: on an affected one (mid-2025) it shows the
+repair, on a fixed one (current) ``+ sweep`` is the walk alone in place.
 
 Run: ``python benchmarks/bench_pipeline_to.py [--rounds 11] [--width 256] [--scale 1 --scale 8]``.
 ``run()`` returns the rows.

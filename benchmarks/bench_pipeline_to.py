@@ -5,11 +5,11 @@ bitsandbytes ``Linear4bit`` layers with nested NF4 statistics, as ``bnb_4bit_use
 makes them), in a diffusers ``ModelMixin`` inside a ``DiffusionPipeline``, on a simulated 2-GPU
 machine. It is measured at 1x and at 8x (456 blocks, 3,953 layers), side by side in one run, to
 show whether the sweep's cost per layer holds with size. Those two trees are narrowed to width 256
-(at FLUX.1's own 3072 the 8x tree would need 45 GB of host memory), so their move is dominated by
-per-tensor overhead rather than by copying, and the sweep's share of it is the largest it gets.
-The 1x tree is measured a third time at FLUX.1's width, where the move copies the 5.6 GB of packed
-weights a real FLUX.1 transformer in 4-bit has: the sweep walks the same 495 layers, the move
-around it is the size it is for users. If the trees of one width do not fit in three quarters of
+(at FLUX.1's own 3072 the 8x tree would need 45 GiB of host memory), so their move is dominated
+by per-tensor overhead rather than by copying, and the sweep's share of it is the largest it gets.
+The 1x tree is measured a third time at FLUX.1's width, where the move copies 5.5 GiB of packed
+weights, about what FLUX.1's 12B-parameter transformer takes in 4-bit: the sweep walks the same
+495 layers, and the move around it is the size it is for users. If the trees of one width do not fit in three quarters of
 the available host memory (with a copy of the largest, which the move makes while it runs; the
 1x tree at width 3072 peaks at 8.5 GiB resident), the width is halved until they do, and the
 output says so.

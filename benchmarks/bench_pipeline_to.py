@@ -9,10 +9,10 @@ show whether the sweep's cost per layer holds with size. Those two trees are nar
 by per-tensor overhead rather than by copying, and the sweep's share of it is the largest it gets.
 The 1x tree is measured a third time at FLUX.1's width, where the move copies 5.5 GiB of packed
 weights, about what FLUX.1's 12B-parameter transformer takes in 4-bit: the sweep walks the same
-495 layers, and the move around it is the size it is for users. If the trees of one width do not fit in three quarters of
-the available host memory (with a copy of the largest, which the move makes while it runs; the
-1x tree at width 3072 peaks at 8.5 GiB resident), the width is halved until they do, and the
-output says so.
+495 layers, and the move around it is the size it is for users. If the trees of one width do not
+fit in three quarters of the available host memory (with a copy of the largest, which the move
+makes while it runs; the 1x tree at width 3072 peaks at 8.5 GiB resident), the width is halved
+until they do, and the output says so.
 
 Measured side by side, the order of the trees and of the shim sets alternating from round to round
 (median over rounds), each time moving the pipeline to the other GPU; what the library alone left
@@ -619,9 +619,9 @@ def run(rounds: int = 11, plan: Sequence[Tuple[int, Sequence[int]]] = PLAN) -> L
     plan = [(width, tuple(sorted(set(scales)))) for width, scales in plan]
     largest = max(max(scales) for _width, scales in plan)  # the tree judged against the total
     noting = {scale: noting_cost(layers_at(scale)) for scale in sorted({s for _w, scales in plan for s in scales})}
+    noting_us = {scale: cost["noting_us"] for scale, cost in noting.items()}
     print(f"bitsandbytes {bitsandbytes.__version__}, diffusers {diffusers.__version__}; shims forced on; "
           f"median of {rounds} rounds, the trees and shim sets alternating, each a move to the other simulated GPU")
-    layers = 0
     for asked, scales in plan:
         width = fitting_width(asked, scales)
         if width != asked:
@@ -629,7 +629,7 @@ def run(rounds: int = 11, plan: Sequence[Tuple[int, Sequence[int]]] = PLAN) -> L
                   f"{sum(tree_bytes(asked, s) for s in scales) / 2**30:.1f} GiB and, with a copy, more than "
                   f"three quarters of the available host memory ({available_bytes() / 2**30:.1f} GiB); measured at "
                   f"width {width} instead")
-        results = measure(width, rounds, scales, {scale: cost["noting_us"] for scale, cost in noting.items()})
+        results = measure(width, rounds, scales, noting_us)
         print(f"{'':>36}  {'sweep with both shims (in pipe.to() + noting)':>46}  {'full check (sweep shim alone)':>33}")
         print(f"{'tree':>4}  {'width':>5}  {'layers':>6}  {'library alone':>13}  {'left':>4}  "
               f"{'ms':>8}  {'per layer':>9}  {'share':>6}  {'torch':>9}  {'ms':>8}  {'per layer':>9}  {'torch':>9}  "
@@ -665,7 +665,6 @@ def run(rounds: int = 11, plan: Sequence[Tuple[int, Sequence[int]]] = PLAN) -> L
                   f"<= {TARGET_US_PER_LAYER:g} us/layer: {_verdict(judged['per_layer_met'])}; "
                   f"<= {TARGET_SHARE:.0%} of the move: {_verdict(judged['share_met'])}"
                   + (f"; < {TARGET_MS:g} ms: {_verdict(judged['total_met'])}" if result["scale"] == largest else ""))
-        layers = layers or first["layers"]
     for scale, cost in noting.items():
         print(f"noting a state for the sweep, {layers_at(scale)} states: {cost['noting_us']:+.2f} us per layer on the "
               f"quant-state shim's {cost['check_us']:.2f} us check")
@@ -674,6 +673,7 @@ def run(rounds: int = 11, plan: Sequence[Tuple[int, Sequence[int]]] = PLAN) -> L
                      "value": round(cost["noting_us"], 3), "unit": "us",
                      "baseline": f"{cost['check_us']:.2f} us", "target": "reported", "met": True})
     wrapper = per_layer_wrapper_cost()
+    layers = layers_at(1)
     print(f"one Linear4bit moved between the GPUs: {wrapper['plain_us']:.1f} us alone, {wrapper['shimmed_us']:.1f} us "
           f"with the quant-state shim (added {wrapper['added_us']:.1f} us per layer, "
           f"{wrapper['added_us'] * layers / 1000:.1f} ms for the 1x tree's {layers} layers)")

@@ -13,6 +13,8 @@ What "the device a tensor should be on" means:
 * a quantization-state tensor (bitsandbytes ``QuantState``: ``code``, ``absmax``, ``offset``,
   ``state2.*``) and any tensor attached to a parameter (``Int8Params.SCB``): the device of that
   parameter (skipped while the parameter is on ``meta``);
+* the int8 weights and scales a bitsandbytes ``Linear8bitLt`` keeps on its ``state`` after its first
+  forward (``state.CB``, ``state.SCB``; bnb-int8-stats-stay-on-old-device): its weight's device;
 * a parameter or buffer: the execution device of the nearest accelerate hook (``device_map``
   dispatch) or, failing that, the module's entry in a split ``hf_device_map``, or, for a model that
   runs on one device, the device holding most of the model's elements (a one-device
@@ -32,8 +34,8 @@ def check_devices(obj: Any) -> List[Record]:
     is not on the device its module runs on; ``[]`` when everything is in place.
 
     Each record has ``name`` (dotted path, prefixed by the pipeline component), ``kind``
-    (``"parameter"``, ``"buffer"``, ``"quant_state"`` or ``"attached"``), ``device``, ``expected``,
-    ``shape`` and ``dtype``.
+    (``"parameter"``, ``"buffer"``, ``"quant_state"``, ``"attached"`` or ``"int8_state"``), ``device``,
+    ``expected``, ``shape`` and ``dtype``.
     """
     import torch
 
@@ -159,6 +161,7 @@ def _check_module(prefix: str, model: Any, torch: Any) -> List[Record]:
             if buffer.device.type != "meta" and buffer.device != expected:
                 records.append(_record(_join(module_prefix, bname), "buffer", buffer, expected))
         records.extend(_check_module_state(module_prefix, module, torch))
+        records.extend(_check_int8_state(module_prefix, module, torch))
     return records
 
 
@@ -196,6 +199,20 @@ def _check_module_state(module_prefix: str, module: Any, torch: Any) -> List[Rec
         for _owner, _attr, sub, tensor in state_tensors(state)
         if tensor.device != weight.device
     ]
+
+
+def _check_int8_state(module_prefix: str, module: Any, torch: Any) -> List[Record]:
+    """A ``Linear8bitLt``'s ``state.CB``/``state.SCB`` (its ``MatmulLtState``), against its weight."""
+    state = module.__dict__.get("state")
+    weight = module._parameters.get("weight")
+    if state is None or weight is None or weight.device.type == "meta" or type(state).__name__ != "MatmulLtState":
+        return []
+    records = []
+    for attr in ("CB", "SCB"):
+        tensor = getattr(state, attr, None)
+        if isinstance(tensor, torch.Tensor) and tensor.device != weight.device:
+            records.append(_record(_join(module_prefix, f"state.{attr}"), "int8_state", tensor, weight.device))
+    return records
 
 
 def _record(name: str, kind: str, tensor: Any, expected: Any) -> Record:

@@ -179,3 +179,32 @@ def test_tensors_attached_to_a_parameter_are_checked(bnb, simulated_gpus):
 
 def test_format_records_says_when_all_is_well():
     assert format_records([]) == "every tensor is on its module's device"
+
+
+def test_an_int8_layers_state_is_checked_against_its_weight(bnb, simulated_gpus):
+    """bnb-int8-stats-stay-on-old-device: after its first forward an 8-bit layer runs on
+    ``state.CB``/``state.SCB``, which a parent's ``.to()`` leaves behind; the next forward fails."""
+    from bitsandbytes.nn import Linear8bitLt
+
+    from devmap_shims.compat_matrix import load_matrix
+    from devmap_shims.versions import installed_versions, version_in
+
+    if not version_in(bnb.__version__, ">=0.46.0"):
+        pytest.skip("bitsandbytes before 0.46 quantizes to 8-bit with its CUDA library only")
+    matrix = load_matrix()
+    applies = matrix.get("bnb-int8-stats-stay-on-old-device").applies(installed_versions(matrix.distributions()))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(Linear8bitLt(8, 4, has_fp16_weights=False).half())
+    with torch.no_grad():
+        net.to("cuda:0")
+        net(torch.randn(2, 8).half().to("cuda:0"))
+        assert net[0].state.CB is not None and check_devices(net) == []
+        net.to("cuda:1")
+    found = [(r["name"], r["kind"], r["device"], r["expected"], r["shape"]) for r in check_devices(net)]
+    if applies:
+        assert found == [("0.state.CB", "int8_state", "cuda:0", "cuda:1", (4, 8)),
+                         ("0.state.SCB", "int8_state", "cuda:0", "cuda:1", (4,))]
+    else:
+        assert found == []
+    net[0].state = types.SimpleNamespace(CB=torch.ones(1, device="cuda:0"))  # not bitsandbytes' state
+    assert check_devices(net) == []

@@ -57,9 +57,15 @@ simulator each copy costs what a weight copy costs, so those rows are reported, 
 shims are forced on, so the benchmark runs on any stack: on an affected one (mid-2025) it shows
 the repair, on a fixed one (current) ``+ sweep`` is the walk alone in place.
 
-Run: ``python benchmarks/bench_pipeline_to.py [--rounds 11]`` (:data:`PLAN`), or with
-``--width W`` and ``--scale S`` (both repeatable: every width at every scale). ``run()`` returns
-the rows.
+On a machine with a real GPU, ``--real-gpu`` (:func:`run_real`) builds the same trees on the CPU
+and moves each to ``cuda:0`` and back, once with the library alone and once with both shims per
+round, timing each direction to the end of its copies and the sweep inside each shimmed move (plus
+noting the states, timed on ``cuda:0``), with the walk floor after the library's own move. The
+targets are the same.
+
+Run: ``python benchmarks/bench_pipeline_to.py [--rounds 11] [--real-gpu]`` (:data:`PLAN`), or with
+``--width W`` and ``--scale S`` (both repeatable: every width at every scale). ``run()`` and
+``run_real()`` return the rows.
 """
 
 from __future__ import annotations
@@ -451,6 +457,120 @@ def measure(width: int, rounds: int, scales: Sequence[int] = SCALES,
     return results
 
 
+REAL_SHIMS = ("none", "sweep+quant-state")
+
+
+def measure_real(width: int, rounds: int, scales: Sequence[int] = SCALES,
+                 noting_us: Optional[Dict[int, float]] = None) -> List[Dict[str, Any]]:
+    """On a real GPU: each tree, built on the CPU, is moved to ``cuda:0`` and back once per shim set
+    and round (the order of the trees and of the shim sets alternating), each direction timed to
+    the end of its copies (``torch.cuda.synchronize``), with the sweep inside each shimmed move."""
+    import torch
+
+    import devmap_shims
+    from devmap_shims.checks import check_devices
+
+    directions = ("cuda:0", "cpu")
+    results = [
+        {"scale": scale, "width": width, "rounds": rounds, "noted": 0,
+         "times": {f"{name} to {target}": [] for name in REAL_SHIMS for target in directions},
+         "inside": {target: [] for target in directions}, "floor": {target: [] for target in directions}}
+        for scale in scales
+    ]
+    with torch.no_grad(), _sweeps_timed() as sweeps:
+        pipes = []
+        for result in results:
+            print(f"  building the {result['scale']}x tree ...", file=sys.stderr, flush=True)
+            pipe, result["layers"] = build_pipeline(width, device="cpu", scale=result["scale"])
+            result["packed_mb"] = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters()) / 2**20
+            pipes.append(pipe)
+        for round_ in range(rounds + 1):  # the first round warms up and is not counted
+            print(f"  round {round_}/{rounds}", file=sys.stderr, flush=True)
+            order = range(len(results)) if round_ % 2 else range(len(results) - 1, -1, -1)
+            for k in order:
+                result, pipe = results[k], pipes[k]
+                for name in REAL_SHIMS if round_ % 2 else REAL_SHIMS[::-1]:
+                    ids = SHIMS[name]
+                    _install(ids)
+                    for target in directions:
+                        del sweeps[:]
+                        torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        pipe.to(target)
+                        torch.cuda.synchronize()
+                        elapsed = time.perf_counter() - start
+                        if ids:
+                            (inside, record), = sweeps
+                            result["noted"] = len(record or ())
+                        if round_:
+                            result["times"][f"{name} to {target}"].append(elapsed * 1000)
+                            if ids:
+                                result["inside"][target].append(inside)
+                            else:  # right after the library's own move, as a sweep would run
+                                result["floor"][target].append(_floor_ms(pipe))
+                        assert check_devices(pipe) == [], f"{name}: tensors left behind moving to {target}"
+                devmap_shims.uninstall()
+    for result in results:
+        result["median_ms"] = {key: statistics.median(v) for key, v in result.pop("times").items()}
+        result["inside_ms"] = {key: statistics.median(v) for key, v in result.pop("inside").items()}
+        result["floor_ms"] = {key: statistics.median(v) for key, v in result.pop("floor").items()}
+        result["noting_ms"] = (noting_us or {}).get(result["scale"], 0.0) * result["noted"] / 1000
+    return results
+
+
+def run_real(rounds: int = 11, plan: Sequence[Tuple[int, Sequence[int]]] = PLAN) -> List[Dict[str, Any]]:
+    """:func:`measure_real` for each ``(width, scales)`` of ``plan``: the sweep with both shims
+    against a real move between the CPU and ``cuda:0``, in each direction; prints the table."""
+    import bitsandbytes
+    import diffusers
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--real-gpu needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for name in ("devmap_shims", "diffusers", "bitsandbytes"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    plan = [(width, tuple(sorted(set(scales)))) for width, scales in plan]
+    largest = max(max(scales) for _width, scales in plan)
+    noting_us = {scale: noting_cost(layers_at(scale), real=True)["noting_us"]
+                 for scale in sorted({s for _w, scales in plan for s in scales})}
+    print(f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}, bitsandbytes {bitsandbytes.__version__}, "
+          f"diffusers {diffusers.__version__}; shims forced on; median of {rounds} rounds, the trees and shim sets "
+          "alternating, each tree moved to cuda:0 and back to the CPU per shim set")
+    print(f"{'tree':>4}  {'width':>5}  {'layers':>6}  {'packed':>9}  {'to':>6}  {'library alone':>13}  "
+          f"{'both shims':>10}  {'sweep':>8}  {'per layer':>9}  {'share':>6}  {'floor':>9}  {'share':>6}")
+    rows: List[Dict[str, Any]] = []
+    for width, scales in plan:
+        for result in measure_real(width, rounds, scales, noting_us):
+            label = (f"pipe.to() Flux-sized 4-bit tree x{result['scale']}, width {width} ({result['layers']} "
+                     f"Linear4bit), real {torch.cuda.get_device_name(0)}")
+            for target in ("cuda:0", "cpu"):
+                base = result["median_ms"][f"none to {target}"]
+                sweep = result["inside_ms"][target] + result["noting_ms"]
+                floor = result["floor_ms"][target]
+                per_layer = sweep * 1000 / result["layers"]
+                met = per_layer <= TARGET_US_PER_LAYER and sweep <= TARGET_SHARE * base and (
+                    result["scale"] != largest or sweep < TARGET_MS)
+                print(f"{result['scale']:>3}x  {width:>5}  {result['layers']:>6}  {result['packed_mb']:>6.0f} MiB  "
+                      f"{target:>6}  {base:>10.1f} ms  {result['median_ms'][f'sweep+quant-state to {target}']:>7.1f} ms  "
+                      f"{sweep:>8.2f}  {per_layer:>6.2f} us  {sweep / base:>6.2%}  "
+                      f"{floor * 1000 / result['layers']:>6.2f} us  {floor / base:>6.2%}")
+                rows.append({
+                    "benchmark": f"{label}, to {target}: sweep with both shims, inside pipe.to() "
+                                 f"({result['inside_ms'][target]:.2f} ms) + noting {result['noted']} states "
+                                 f"({result['noting_ms']:.2f} ms)",
+                    "value": round(sweep, 2), "unit": "ms", "baseline": f"{base:.1f} ms", "ratio": sweep / base,
+                    "us_per_layer": round(per_layer, 2),
+                    "target": f"<= {TARGET_US_PER_LAYER:g} us/layer and <= {TARGET_SHARE:.0%}", "met": met,
+                })
+                rows.append({
+                    "benchmark": f"{label}, to {target}: walk floor right after the library's move (every module, "
+                                 "every parameter's __dict__, the storage of each 4-bit weight; nothing checked)",
+                    "value": round(floor, 2), "unit": "ms", "baseline": f"{base:.1f} ms", "ratio": floor / base,
+                    "us_per_layer": round(floor * 1000 / result["layers"], 2), "target": "reported", "met": True,
+                })
+    return rows
+
+
 def per_layer_wrapper_cost(calls: int = 400, batches: int = 10) -> Dict[str, float]:
     """Median time of moving one ``Linear4bit`` between the simulated GPUs (``Module.to`` calls
     ``Params4bit.to``, which calls ``QuantState.to``) with and without the quant-state shim, in
@@ -482,7 +602,7 @@ def layers_at(scale: int) -> int:
     return (len(DOUBLE_SHAPES) * DOUBLE_BLOCKS + len(SINGLE_SHAPES) * SINGLE_BLOCKS) * scale + 1
 
 
-def noting_cost(layers: int = 495, batches: int = 15) -> Dict[str, float]:
+def noting_cost(layers: int = 495, batches: int = 15, real: bool = False) -> Dict[str, float]:
     """What noting the states costs a move while a sweep's record is open, on the simulated GPUs:
     for ``layers`` 4-bit weights (one tree's worth, so the record grows as in a move: a record of
     thousands of states no longer stays in the CPU's fastest caches), what the
@@ -490,7 +610,8 @@ def noting_cost(layers: int = 495, batches: int = 15) -> Dict[str, float]:
     it; ``Params4bit.to``'s notes it for the weight it returns), with a record open against the
     same calls with none open, where dropping and noting do nothing. Batches alternate; per layer,
     in us (the median of the batches' paired differences, never below 0). It is part of what the
-    sweep costs with both shims, since the sweep reads the note instead of the state."""
+    sweep costs with both shims, since the sweep reads the note instead of the state. With ``real``,
+    on a real ``cuda:0`` (where ``.device`` is torch's own getter)."""
     import torch
 
     from devmap_shims.devices.quant_state import align_state, forget, note, start_recording, stop_recording
@@ -498,8 +619,9 @@ def noting_cost(layers: int = 495, batches: int = 15) -> Dict[str, float]:
 
     times: Dict[str, List[float]] = {"check": [], "check+note": []}
     added: List[float] = []
-    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
-        weights = [_linear4bit(64, 64, "cuda:1").weight for _ in range(layers)]
+    machine = contextlib.nullcontext() if real else simulated_gpus(2, memory="1GiB")
+    with machine, torch.no_grad():
+        weights = [_linear4bit(64, 64, "cuda:0" if real else "cuda:1").weight for _ in range(layers)]
 
         def shim_calls(recording: bool) -> int:
             record = start_recording() if recording else None
@@ -699,9 +821,11 @@ if __name__ == "__main__":
                         help="tree width (repeatable; without --width or --scale: 256 at 1x and 8x, then 3072 at 1x)")
     parser.add_argument("--scale", type=int, action="append",
                         help="the tree's size in FLUX.1 block sets (repeatable; default 1 and 8)")
+    parser.add_argument("--real-gpu", action="store_true",
+                        help="move the trees between the CPU and a real cuda:0 instead of between simulated GPUs")
     args = parser.parse_args()
     if args.width or args.scale:
         plan = [(width, tuple(args.scale or SCALES)) for width in args.width or (PLAN[0][0],)]
     else:
         plan = list(PLAN)
-    run(args.rounds, plan)
+    (run_real if args.real_gpu else run)(args.rounds, plan)

@@ -203,16 +203,17 @@ def _check_module_state(module_prefix: str, module: Any, torch: Any) -> List[Rec
 
 def _check_int8_state(module_prefix: str, module: Any, torch: Any) -> List[Record]:
     """A ``Linear8bitLt``'s ``state.CB``/``state.SCB`` (its ``MatmulLtState``), against its weight."""
-    state = module.__dict__.get("state")
-    weight = module._parameters.get("weight")
-    if state is None or weight is None or weight.device.type == "meta" or type(state).__name__ != "MatmulLtState":
+    from devmap_shims.devices.int8_state import layer_state_tensors
+
+    held = list(layer_state_tensors(module))
+    weight = module._parameters.get("weight") if held else None
+    if weight is None or weight.device.type == "meta":
         return []
-    records = []
-    for attr in ("CB", "SCB"):
-        tensor = getattr(state, attr, None)
-        if isinstance(tensor, torch.Tensor) and tensor.device != weight.device:
-            records.append(_record(_join(module_prefix, f"state.{attr}"), "int8_state", tensor, weight.device))
-    return records
+    return [
+        _record(_join(module_prefix, f"state.{attr}"), "int8_state", tensor, weight.device)
+        for attr, tensor in held
+        if isinstance(tensor, torch.Tensor) and tensor.device != weight.device
+    ]
 
 
 def _record(name: str, kind: str, tensor: Any, expected: Any) -> Record:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Iterator, Tuple
+
+#: the attributes holding the int8 weights and their scales, on the weight and on the layer's state
+INT8_ATTRIBUTES = ("CB", "SCB")
 
 
 def is_int8_linear(module: Any) -> bool:
@@ -23,11 +26,23 @@ def int8_state_off_device(module: Any) -> bool:
     """Whether any of the module's ``CB``/``SCB`` is not on its weight's device."""
     weight = module.weight
     for holder in (weight, getattr(module, "state", None)):
-        for name in ("CB", "SCB"):
+        for name in INT8_ATTRIBUTES:
             tensor = getattr(holder, name, None)
             if tensor is not None and tensor.device != weight.device:
                 return True
     return False
+
+
+def layer_state_tensors(module: Any) -> Iterator[Tuple[str, Any]]:
+    """``(attribute, tensor)`` for the int8 weights and scales on a ``Linear8bitLt``'s ``state`` (its
+    ``MatmulLtState``, filled by the first forward); nothing for a module without one."""
+    state = module.__dict__.get("state")
+    if type(state).__name__ != "MatmulLtState":
+        return
+    for name in INT8_ATTRIBUTES:
+        tensor = getattr(state, name, None)
+        if tensor is not None:
+            yield name, tensor
 
 
 def align_int8_state(module: Any) -> int:

@@ -26,16 +26,8 @@ from devmap_shims.testing import nf4, simulated_gpus  # noqa: E402
 from devmap_shims.versions import installed_versions, version_in  # noqa: E402
 
 
-def _real_cuda() -> bool:
-    try:
-        return torch.cuda.is_available() and torch.cuda.device_count() > 0
-    except Exception:  # pragma: no cover
-        return False
-
-
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _real_cuda(), reason="needs a real CUDA GPU"),
+    pytest.mark.gpu,  # skipped without a real GPU (tests/conftest.py)
     pytest.mark.skipif(
         not version_in(bnb.__version__, ">=0.46.0"),
         reason=f"bitsandbytes {bnb.__version__} has no CPU kernels: the simulated half cannot quantize",

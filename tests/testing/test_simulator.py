@@ -667,16 +667,7 @@ def test_nothing_leaks_into_the_next_simulation():
 # ------------------------------------------------------------------------------------------------
 # parity with a real GPU (run where one is present)
 # ------------------------------------------------------------------------------------------------
-def _real_cuda() -> bool:
-    try:
-        return torch.cuda.is_available() and torch.cuda.device_count() > 0
-    except Exception:  # pragma: no cover
-        return False
-
-
-REAL_GPU = _real_cuda()
-gpu = pytest.mark.gpu
-needs_gpu = pytest.mark.skipif(not REAL_GPU, reason="needs a real CUDA GPU")
+gpu = pytest.mark.gpu  # skipped without a real GPU (tests/conftest.py)
 
 
 def _outcome(fn):
@@ -704,7 +695,6 @@ PARITY_SCENARIOS = {
 
 
 @gpu
-@needs_gpu
 @pytest.mark.parametrize("name", sorted(PARITY_SCENARIOS))
 def test_parity_with_real_cuda0(name):
     fn = PARITY_SCENARIOS[name]
@@ -716,7 +706,6 @@ def test_parity_with_real_cuda0(name):
 
 
 @gpu
-@needs_gpu
 def test_parity_oom_message_shape():
     free, total = torch.cuda.mem_get_info(0)
     try:

@@ -363,6 +363,24 @@ def _noted_record(pipe: Any) -> Any:
     return record
 
 
+def _in_turn(items: Sequence[Any], round_: int) -> Sequence[Any]:
+    """``items`` in order on odd rounds and reversed on even ones: what runs first alternates."""
+    return items if round_ % 2 else items[::-1]
+
+
+def _build_trees(results: List[Dict[str, Any]], width: int, device: str = "cuda:0") -> List[Any]:
+    """The pipeline of each result's scale on ``device``; records its layers, parameters and size."""
+    pipes = []
+    for result in results:
+        print(f"  building the {result['scale']}x tree ...", file=sys.stderr, flush=True)
+        pipe, result["layers"] = build_pipeline(width, device=device, scale=result["scale"])
+        assert result["layers"] == layers_at(result["scale"])  # what noting_cost was measured on
+        result["parameters"] = sum(1 for _ in pipe.transformer.parameters())
+        result["packed_mb"] = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters()) / 2**20
+        pipes.append(pipe)
+    return pipes
+
+
 def measure(width: int, rounds: int, scales: Sequence[int] = SCALES,
             noting_us: Optional[Dict[int, float]] = None) -> List[Dict[str, Any]]:
     """One result per scale, measured side by side: each round visits every tree (the order
@@ -384,21 +402,13 @@ def measure(width: int, rounds: int, scales: Sequence[int] = SCALES,
     memory = max(8 << 30, 2 * tree_bytes(width, max(scales)) + (1 << 30))
     with simulated_gpus(2, memory=memory), torch.no_grad(), _sweeps_timed() as sweeps, \
             _collections_counted() as collections:
-        pipes = []
-        for result in results:
-            print(f"  building the {result['scale']}x tree ...", file=sys.stderr, flush=True)
-            pipe, result["layers"] = build_pipeline(width, scale=result["scale"])
-            assert result["layers"] == layers_at(result["scale"])  # what noting_cost was measured on
-            result["parameters"] = sum(1 for _ in pipe.transformer.parameters())
-            result["packed_mb"] = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters()) / 2**20
-            pipes.append(pipe)
+        pipes = _build_trees(results, width)
         where = [0] * len(results)
         for round_ in range(rounds + 1):  # the first round warms up and is not counted
             print(f"  round {round_}/{rounds}", file=sys.stderr, flush=True)
-            order = range(len(results)) if round_ % 2 else range(len(results) - 1, -1, -1)
-            for k in order:
+            for k in _in_turn(range(len(results)), round_):
                 result, pipe = results[k], pipes[k]
-                for name in (list(SHIMS) if round_ % 2 else list(SHIMS)[::-1]):
+                for name in _in_turn(list(SHIMS), round_):
                     ids = SHIMS[name]
                     _install(ids)
                     where[k] = 1 - where[k]
@@ -434,10 +444,9 @@ def measure(width: int, rounds: int, scales: Sequence[int] = SCALES,
     # sweep over states noted as a move notes them, and the full check
     records = [_noted_record(pipe) for pipe in pipes]
     for round_ in range(rounds + 1):
-        order = range(len(results)) if round_ % 2 else range(len(results) - 1, -1, -1)
-        for k in order:
+        for k in _in_turn(range(len(results)), round_):
             walks = (("noted_torch", records[k]), ("walk_torch", None))
-            for key, record in walks if round_ % 2 else walks[::-1]:
+            for key, record in _in_turn(walks, round_):
                 walk = _walk_ms(pipes[k], record)
                 if round_:
                     results[k][key].append(walk)
@@ -460,6 +469,13 @@ def measure(width: int, rounds: int, scales: Sequence[int] = SCALES,
 REAL_SHIMS = ("none", "sweep+quant-state")
 
 
+def _normalized(plan: Sequence[Tuple[int, Sequence[int]]]) -> Tuple[List[Tuple[int, Tuple[int, ...]]], int, List[int]]:
+    """``(plan with each width's scales sorted and distinct, the largest scale (the tree judged
+    against the total), every scale of the plan)``."""
+    plan = [(width, tuple(sorted(set(scales)))) for width, scales in plan]
+    return plan, max(max(scales) for _width, scales in plan), sorted({s for _w, scales in plan for s in scales})
+
+
 def measure_real(width: int, rounds: int, scales: Sequence[int] = SCALES,
                  noting_us: Optional[Dict[int, float]] = None) -> List[Dict[str, Any]]:
     """On a real GPU: each tree, built on the CPU, is moved to ``cuda:0`` and back once per shim set
@@ -478,18 +494,12 @@ def measure_real(width: int, rounds: int, scales: Sequence[int] = SCALES,
         for scale in scales
     ]
     with torch.no_grad(), _sweeps_timed() as sweeps:
-        pipes = []
-        for result in results:
-            print(f"  building the {result['scale']}x tree ...", file=sys.stderr, flush=True)
-            pipe, result["layers"] = build_pipeline(width, device="cpu", scale=result["scale"])
-            result["packed_mb"] = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters()) / 2**20
-            pipes.append(pipe)
+        pipes = _build_trees(results, width, device="cpu")
         for round_ in range(rounds + 1):  # the first round warms up and is not counted
             print(f"  round {round_}/{rounds}", file=sys.stderr, flush=True)
-            order = range(len(results)) if round_ % 2 else range(len(results) - 1, -1, -1)
-            for k in order:
+            for k in _in_turn(range(len(results)), round_):
                 result, pipe = results[k], pipes[k]
-                for name in REAL_SHIMS if round_ % 2 else REAL_SHIMS[::-1]:
+                for name in _in_turn(REAL_SHIMS, round_):
                     ids = SHIMS[name]
                     _install(ids)
                     for target in directions:
@@ -529,10 +539,8 @@ def run_real(rounds: int = 11, plan: Sequence[Tuple[int, Sequence[int]]] = PLAN)
         raise SystemExit("--real-gpu needs a CUDA GPU (torch.cuda.is_available() is False)")
     for name in ("devmap_shims", "diffusers", "bitsandbytes"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    plan = [(width, tuple(sorted(set(scales)))) for width, scales in plan]
-    largest = max(max(scales) for _width, scales in plan)
-    noting_us = {scale: noting_cost(layers_at(scale), real=True)["noting_us"]
-                 for scale in sorted({s for _w, scales in plan for s in scales})}
+    plan, largest, every_scale = _normalized(plan)
+    noting_us = {scale: noting_cost(layers_at(scale), real=True)["noting_us"] for scale in every_scale}
     print(f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}, bitsandbytes {bitsandbytes.__version__}, "
           f"diffusers {diffusers.__version__}; shims forced on; median of {rounds} rounds, the trees and shim sets "
           "alternating, each tree moved to cuda:0 and back to the CPU per shim set")
@@ -547,20 +555,18 @@ def run_real(rounds: int = 11, plan: Sequence[Tuple[int, Sequence[int]]] = PLAN)
                 base = result["median_ms"][f"none to {target}"]
                 sweep = result["inside_ms"][target] + result["noting_ms"]
                 floor = result["floor_ms"][target]
-                per_layer = sweep * 1000 / result["layers"]
-                met = per_layer <= TARGET_US_PER_LAYER and sweep <= TARGET_SHARE * base and (
-                    result["scale"] != largest or sweep < TARGET_MS)
+                judged = _against_targets(sweep, base, result["layers"], result["scale"] == largest)
                 print(f"{result['scale']:>3}x  {width:>5}  {result['layers']:>6}  {result['packed_mb']:>6.0f} MiB  "
                       f"{target:>6}  {base:>10.1f} ms  {result['median_ms'][f'sweep+quant-state to {target}']:>7.1f} ms  "
-                      f"{sweep:>8.2f}  {per_layer:>6.2f} us  {sweep / base:>6.2%}  "
+                      f"{sweep:>8.2f}  {judged['us_per_layer']:>6.2f} us  {judged['share']:>6.2%}  "
                       f"{floor * 1000 / result['layers']:>6.2f} us  {floor / base:>6.2%}")
                 rows.append({
                     "benchmark": f"{label}, to {target}: sweep with both shims, inside pipe.to() "
                                  f"({result['inside_ms'][target]:.2f} ms) + noting {result['noted']} states "
                                  f"({result['noting_ms']:.2f} ms)",
                     "value": round(sweep, 2), "unit": "ms", "baseline": f"{base:.1f} ms", "ratio": sweep / base,
-                    "us_per_layer": round(per_layer, 2),
-                    "target": f"<= {TARGET_US_PER_LAYER:g} us/layer and <= {TARGET_SHARE:.0%}", "met": met,
+                    "us_per_layer": round(judged["us_per_layer"], 2),
+                    "target": f"<= {TARGET_US_PER_LAYER:g} us/layer and <= {TARGET_SHARE:.0%}", "met": judged["met"],
                 })
                 rows.append({
                     "benchmark": f"{label}, to {target}: walk floor right after the library's move (every module, "
@@ -648,6 +654,22 @@ def noting_cost(layers: int = 495, batches: int = 15, real: bool = False) -> Dic
     return {"check_us": statistics.median(times["check"]) * 1e6, "noting_us": max(0.0, statistics.median(added) * 1e6)}
 
 
+def _against_targets(sweep: float, base: float, layers: int, largest: bool) -> Dict[str, Any]:
+    """A sweep of ``sweep`` ms over ``layers`` layers in a move of ``base`` ms, against the targets
+    (the < 20 ms total only for the ``largest`` tree: None otherwise); ``met``: all that apply."""
+    per_layer = sweep * 1000 / layers
+    judged = {
+        "sweep_ms": sweep,
+        "us_per_layer": per_layer,
+        "share": sweep / base,
+        "per_layer_met": per_layer <= TARGET_US_PER_LAYER,
+        "total_met": (sweep < TARGET_MS) if largest else None,
+        "share_met": sweep <= TARGET_SHARE * base,
+    }
+    judged["met"] = judged["per_layer_met"] and judged["share_met"] and judged["total_met"] is not False
+    return judged
+
+
 def _judged(result: Dict[str, Any], largest: bool) -> Dict[str, Any]:
     """The sweep with both shims (as ``install()`` arms them) against the targets: the sweep
     inside ``pipe.to()`` plus what noting the states cost the move; per layer, the largest tree's
@@ -655,12 +677,7 @@ def _judged(result: Dict[str, Any], largest: bool) -> Dict[str, Any]:
     layers, base = result["layers"], result["median_ms"]["none"]
     sweep = result["inside_ms"]["sweep+quant-state"] + result["noting_ms"]
     return {
-        "sweep_ms": sweep,
-        "us_per_layer": sweep * 1000 / layers,
-        "share": sweep / base,
-        "per_layer_met": sweep * 1000 / layers <= TARGET_US_PER_LAYER,
-        "total_met": (sweep < TARGET_MS) if largest else None,
-        "share_met": sweep <= TARGET_SHARE * base,
+        **_against_targets(sweep, base, layers, largest),
         "full_us_per_layer": result["walk_ms"] * 1000 / layers,
         "full_us_per_layer_torch": result["walk_torch_ms"] * 1000 / layers,
         "noted_us_per_layer_torch": result["noted_torch_ms"] * 1000 / layers,
@@ -687,7 +704,7 @@ def rows_for(result: Dict[str, Any], largest: bool = False) -> List[Dict[str, An
          "value": round(sweep, 2), "unit": "ms", "baseline": f"{base:.1f} ms", "ratio": sweep / base,
          "us_per_layer": round(judged["us_per_layer"], 2),
          "target": f"<= {TARGET_US_PER_LAYER:g} us/layer{total} and <= {TARGET_SHARE:.0%}",
-         "met": judged["per_layer_met"] and judged["share_met"] and judged["total_met"] is not False},
+         "met": judged["met"]},
         {"benchmark": f"{label}, sweep over the noted states with torch's own .device (the same tree after the "
                       "simulation, warm)",
          "value": round(result["noted_torch_ms"], 2), "unit": "ms",
@@ -738,9 +755,8 @@ def run(rounds: int = 11, plan: Sequence[Tuple[int, Sequence[int]]] = PLAN) -> L
     for name in ("devmap_shims", "diffusers", "bitsandbytes"):
         logging.getLogger(name).setLevel(logging.ERROR)
     rows: List[Dict[str, Any]] = []
-    plan = [(width, tuple(sorted(set(scales)))) for width, scales in plan]
-    largest = max(max(scales) for _width, scales in plan)  # the tree judged against the total
-    noting = {scale: noting_cost(layers_at(scale)) for scale in sorted({s for _w, scales in plan for s in scales})}
+    plan, largest, every_scale = _normalized(plan)
+    noting = {scale: noting_cost(layers_at(scale)) for scale in every_scale}
     noting_us = {scale: cost["noting_us"] for scale, cost in noting.items()}
     print(f"bitsandbytes {bitsandbytes.__version__}, diffusers {diffusers.__version__}; shims forced on; "
           f"median of {rounds} rounds, the trees and shim sets alternating, each a move to the other simulated GPU")

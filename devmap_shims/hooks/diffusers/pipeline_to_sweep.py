@@ -44,7 +44,8 @@ def sweep_module(module: Any, record: Optional[Record] = None) -> int:
     """Move every quant-state tensor of ``module`` onto its parameter's device; returns how many moved.
 
     Parameters on ``meta`` are skipped (their data lives elsewhere, e.g. offloaded by accelerate).
-    A module-level ``quant_state`` that is not the weight's own follows the weight. A state that
+    A module-level ``quant_state`` that is not the weight's own follows the weight, also where the
+    weight has none (bitsandbytes hands the module's to it at the next forward). A state that
     ``record`` (the move's, see :func:`devmap_shims.devices.quant_state.start_recording`) notes
     under the storage its parameter holds now was checked tensor by tensor during the move, and
     is not read again (one storage lookup instead of six ``.device`` reads).
@@ -99,12 +100,18 @@ def sweep_module(module: Any, record: Optional[Record] = None) -> int:
                 if name == "weight":
                     weight_state, weight = state, param
                 moved += align_known_state(state, device)
-            if weight is not None:
-                module_state = sub.__dict__.get("quant_state")
-                if module_state is not None and module_state is not weight_state:
-                    device = weight.device
-                    if device != meta:
-                        moved += align_known_state(module_state, device)
+            if weight is None:
+                # a weight without a state of its own: bitsandbytes gives it the module's at the next
+                # forward (fix_4bit_weight_quant_state_from_module; a state lost to FSDP, or to
+                # ``layer.weight = Parameter(...)``), so the module's state follows that weight
+                weight = params.get("weight")
+                if weight is None:
+                    continue
+            module_state = sub.__dict__.get("quant_state")
+            if module_state is not None and module_state is not weight_state:
+                device = weight.device
+                if device != meta:
+                    moved += align_known_state(module_state, device)
     return moved
 
 

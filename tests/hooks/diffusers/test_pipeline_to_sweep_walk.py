@@ -29,6 +29,7 @@ from devmap_shims.devices.quant_state import (  # noqa: E402
 from devmap_shims.hooks.diffusers import pipeline_to_sweep as hook  # noqa: E402
 from devmap_shims.testing import simulated_gpus  # noqa: E402
 from devmap_shims.testing.nf4 import linear4bit  # noqa: E402
+from devmap_shims.versions import version_in  # noqa: E402
 
 if torch.version.cuda is None:  # pragma: no cover - the simulator needs a CUDA build of torch
     pytest.skip("the GPU simulator needs a CUDA build of torch", allow_module_level=True)
@@ -100,6 +101,27 @@ def test_a_module_quant_state_of_its_own_follows_the_weight():
         assert hook.sweep_module(layer) == len(NESTED)
         assert set(devices(layer.quant_state).values()) == {"cuda:1"}
         assert set(devices(layer.weight.quant_state).values()) == {"cuda:1"}
+
+
+def test_a_module_quant_state_follows_a_weight_that_has_none():
+    """A weight that lost its state (FSDP, ``layer.weight = Parameter(...)``) gets the module's from
+    bitsandbytes at the next forward, so the module's state must be where that weight is;
+    check_devices reports it until the sweep moves it."""
+    from devmap_shims.checks import check_devices
+
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        layer = make_layer()
+        state = layer.quant_state
+        layer.weight = torch.nn.Parameter(layer.weight.data, requires_grad=False)  # no quant_state
+        stray(state, NESTED)
+        assert {record["kind"] for record in check_devices(layer)} == {"quant_state"}
+        assert hook.sweep_module(layer) == len(NESTED)
+        assert set(devices(state).values()) == {"cuda:1"}
+        assert check_devices(layer) == []
+        assert hook.sweep_module(layer) == 0
+        if version_in(bnb.__version__, ">=0.46.0"):  # CPU kernels: a 4-bit forward runs on the simulator
+            layer(torch.randn(2, 64, device="cuda:1"))  # takes the module's state, all on cuda:1
+            assert layer.weight.quant_state is state
 
 
 def test_parameters_on_meta_are_skipped_with_their_module_state():

@@ -566,7 +566,7 @@ def run_real(rounds: int = 11, plan: Sequence[Tuple[int, Sequence[int]]] = PLAN)
                                  f"({result['noting_ms']:.2f} ms)",
                     "value": round(sweep, 2), "unit": "ms", "baseline": f"{base:.1f} ms", "ratio": sweep / base,
                     "us_per_layer": round(judged["us_per_layer"], 2),
-                    "target": f"<= {TARGET_US_PER_LAYER:g} us/layer and <= {TARGET_SHARE:.0%}", "met": judged["met"],
+                    "target": _targets_text(result["scale"] == largest), "met": judged["met"],
                 })
                 rows.append({
                     "benchmark": f"{label}, to {target}: walk floor right after the library's move (every module, "
@@ -670,6 +670,13 @@ def _against_targets(sweep: float, base: float, layers: int, largest: bool) -> D
     return judged
 
 
+def _targets_text(largest: bool) -> str:
+    """The targets :func:`_against_targets` judges a sweep by (the < 20 ms total for the ``largest``
+    tree only), as a row states them."""
+    total = f" and < {TARGET_MS:g} ms" if largest else ""
+    return f"<= {TARGET_US_PER_LAYER:g} us/layer{total} and <= {TARGET_SHARE:.0%}"
+
+
 def _judged(result: Dict[str, Any], largest: bool) -> Dict[str, Any]:
     """The sweep with both shims (as ``install()`` arms them) against the targets: the sweep
     inside ``pipe.to()`` plus what noting the states cost the move; per layer, the largest tree's
@@ -693,7 +700,6 @@ def rows_for(result: Dict[str, Any], largest: bool = False) -> List[Dict[str, An
     label = (f"pipe.to() Flux-sized 4-bit tree x{result['scale']}, width {result['width']} "
              f"({result['layers']} Linear4bit)")
     judged = _judged(result, largest)
-    total = f" and < {TARGET_MS:g} ms" if largest else ""
     sweep = judged["sweep_ms"]
     rows = [
         {"benchmark": f"{label}, library alone ({result['left_behind']} tensors left behind)",
@@ -703,8 +709,7 @@ def rows_for(result: Dict[str, Any], largest: bool = False) -> List[Dict[str, An
                       f"during the move ({result['noting_ms']:.2f} ms)",
          "value": round(sweep, 2), "unit": "ms", "baseline": f"{base:.1f} ms", "ratio": sweep / base,
          "us_per_layer": round(judged["us_per_layer"], 2),
-         "target": f"<= {TARGET_US_PER_LAYER:g} us/layer{total} and <= {TARGET_SHARE:.0%}",
-         "met": judged["met"]},
+         "target": _targets_text(largest), "met": judged["met"]},
         {"benchmark": f"{label}, sweep over the noted states with torch's own .device (the same tree after the "
                       "simulation, warm)",
          "value": round(result["noted_torch_ms"], 2), "unit": "ms",

@@ -363,6 +363,17 @@ def _noted_record(pipe: Any) -> Any:
     return record
 
 
+def _quiet_libraries() -> None:
+    """Only errors from our layer and the libraries it moves, so the table is all the output has."""
+    for name in ("devmap_shims", "diffusers", "bitsandbytes"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _medians(samples: Dict[str, List[float]]) -> Dict[str, float]:
+    """The median of each key's samples."""
+    return {key: statistics.median(values) for key, values in samples.items()}
+
+
 def _in_turn(items: Sequence[Any], round_: int) -> Sequence[Any]:
     """``items`` in order on odd rounds and reversed on even ones: what runs first alternates."""
     return items if round_ % 2 else items[::-1]
@@ -456,8 +467,8 @@ def measure(width: int, rounds: int, scales: Sequence[int] = SCALES,
         # each round: the sweep, the record, its notes and whatever they cost the move around them
         result["sweep_added_ms"] = statistics.median(
             both - alone for both, alone in zip(times["sweep+quant-state"], times["quant-state"]))
-        result["median_ms"] = {name: statistics.median(v) for name, v in result.pop("times").items()}
-        result["inside_ms"] = {name: statistics.median(v) for name, v in result.pop("inside").items()}
+        result["median_ms"] = _medians(result.pop("times"))
+        result["inside_ms"] = _medians(result.pop("inside"))
         result["walk_ms"] = statistics.median(result.pop("walk"))
         result["walk_torch_ms"] = statistics.median(result.pop("walk_torch"))
         result["noted_torch_ms"] = statistics.median(result.pop("noted_torch"))
@@ -521,9 +532,9 @@ def measure_real(width: int, rounds: int, scales: Sequence[int] = SCALES,
                         assert check_devices(pipe) == [], f"{name}: tensors left behind moving to {target}"
                 devmap_shims.uninstall()
     for result in results:
-        result["median_ms"] = {key: statistics.median(v) for key, v in result.pop("times").items()}
-        result["inside_ms"] = {key: statistics.median(v) for key, v in result.pop("inside").items()}
-        result["floor_ms"] = {key: statistics.median(v) for key, v in result.pop("floor").items()}
+        result["median_ms"] = _medians(result.pop("times"))
+        result["inside_ms"] = _medians(result.pop("inside"))
+        result["floor_ms"] = _medians(result.pop("floor"))
         result["noting_ms"] = (noting_us or {}).get(result["scale"], 0.0) * result["noted"] / 1000
     return results
 
@@ -537,8 +548,7 @@ def run_real(rounds: int = 11, plan: Sequence[Tuple[int, Sequence[int]]] = PLAN)
 
     if not torch.cuda.is_available():
         raise SystemExit("--real-gpu needs a CUDA GPU (torch.cuda.is_available() is False)")
-    for name in ("devmap_shims", "diffusers", "bitsandbytes"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    _quiet_libraries()
     plan, largest, every_scale = _normalized(plan)
     noting_us = {scale: noting_cost(layers_at(scale), real=True)["noting_us"] for scale in every_scale}
     print(f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}, bitsandbytes {bitsandbytes.__version__}, "
@@ -757,8 +767,7 @@ def run(rounds: int = 11, plan: Sequence[Tuple[int, Sequence[int]]] = PLAN) -> L
     import bitsandbytes  # noqa: F401 - before the simulation: it probes CUDA on import
     import diffusers
 
-    for name in ("devmap_shims", "diffusers", "bitsandbytes"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    _quiet_libraries()
     rows: List[Dict[str, Any]] = []
     plan, largest, every_scale = _normalized(plan)
     noting = {scale: noting_cost(layers_at(scale)) for scale in every_scale}

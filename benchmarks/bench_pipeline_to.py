@@ -380,13 +380,12 @@ def _in_turn(items: Sequence[Any], round_: int) -> Sequence[Any]:
 
 
 def _build_trees(results: List[Dict[str, Any]], width: int, device: str = "cuda:0") -> List[Any]:
-    """The pipeline of each result's scale on ``device``; records its layers, parameters and size."""
+    """The pipeline of each result's scale on ``device``; records its layers and packed size."""
     pipes = []
     for result in results:
         print(f"  building the {result['scale']}x tree ...", file=sys.stderr, flush=True)
         pipe, result["layers"] = build_pipeline(width, device=device, scale=result["scale"])
         assert result["layers"] == layers_at(result["scale"])  # what noting_cost was measured on
-        result["parameters"] = sum(1 for _ in pipe.transformer.parameters())
         result["packed_mb"] = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters()) / 2**20
         pipes.append(pipe)
     return pipes

@@ -159,7 +159,7 @@ def test_applicable_on_the_pinned_stacks(matrix: Matrix) -> None:
     }
     current = {
         "torch": "2.15.0",
-        "transformers": "5.23.0",
+        "transformers": "5.24.0",
         "accelerate": "1.15.0",
         "bitsandbytes": "0.50.2",
         "diffusers": "0.42.1",

@@ -2,14 +2,15 @@
 input embeddings, and the result comes back on the caller's device.
 
 Every top-level tensor argument of ``generate`` (``input_ids``, ``attention_mask``,
-``inputs_embeds``, ``pixel_values``, ... and tensors passed through ``**kwargs``; never
-``past_key_values``) goes to the device of ``model.get_input_embeddings()`` (for an offloaded
-embedding, its hook's execution device), non-blocking when the destination is a GPU, with one
-DEBUG line. When the main input was moved, the tensors of the result go back to the caller's
-device, so code that worked before sees the same devices. Anything that is not a tensor (a
-``BatchEncoding``, nested lists, caches) is left alone, and a model without input embeddings is
-not touched at all. ``GenerationMixin.generate`` is wrapped, and so is every model class of the
-installed transformers that overrides it (:mod:`._generate_overrides`, listed once the shim arms).
+``inputs_embeds``, ``pixel_values``, ... and tensors passed through ``**kwargs``; never the
+cache, ``past_key_values`` or, as transformers >= 5.24 names it, ``cache``) goes to the device
+of ``model.get_input_embeddings()`` (for an offloaded embedding, its hook's execution device),
+non-blocking when the destination is a GPU, with one DEBUG line. When the main input was moved,
+the tensors of the result go back to the caller's device, so code that worked before sees the
+same devices. Anything that is not a tensor (a ``BatchEncoding``, nested lists, caches) is left
+alone, and a model without input embeddings is not touched at all. ``GenerationMixin.generate``
+is wrapped, and so is every model class of the installed transformers that overrides it
+(:mod:`._generate_overrides`, listed once the shim arms).
 
 Rows (generated from known_bugs.toml by scripts/regenerate.py):
     generate-input-device-type-warning
@@ -39,7 +40,9 @@ MASK_BUG = "transformers-generate-mask-device"
 logger = LazyLogger(__name__)
 
 #: Keyword arguments never moved: a cache split over GPUs must stay where each layer put it.
-NEVER_MOVED = frozenset({"past_key_values"})
+#: transformers 5.24 renamed ``past_key_values`` to ``cache`` (arguments and outputs; the old
+#: argument name still works there, with a FutureWarning).
+NEVER_MOVED = frozenset({"past_key_values", "cache"})
 #: The argument whose device the caller gets the result back on (first one present wins).
 MAIN_INPUTS = (
     "inputs",
@@ -115,7 +118,7 @@ def align_generate_inputs(wrapped: Callable[..., Any], instance: Any, args: Tupl
 def to_device(result: Any, device: Any, depth: int = 0) -> Any:
     """``result``'s tensors on ``device``: a tensor, or a ModelOutput / tuple holding tensors.
 
-    Caches are left where they are (``past_key_values`` keys, and any object that is not a tensor,
+    Caches are left where they are (``past_key_values`` and ``cache`` keys, and any object that is not a tensor,
     tuple, list or mapping). Copies to the CPU are blocking, so the caller can read them at once.
     """
     if isinstance(result, tensor_type()):

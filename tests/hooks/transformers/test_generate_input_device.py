@@ -277,9 +277,21 @@ def test_dict_output_comes_back_on_the_caller_device_except_the_cache(checkpoint
             )
         assert out.sequences.device == torch.device("cpu")
         assert all(score.device == torch.device("cpu") for score in out.scores)
-        cache = out.get("past_key_values")
-        if cache is not None and hasattr(cache, "key_cache") and cache.key_cache:
-            assert cache.key_cache[0].device == torch.device("cuda:1")
+        # the cache stays on the model's GPU (transformers >= 5.24 names the field ``cache``)
+        assert _first_cached_keys(out.get("cache", out.get("past_key_values"))).device == torch.device("cuda:1")
+
+
+def _first_cached_keys(cache):
+    """The first layer's cached keys: cache layers (transformers >= 4.56), ``key_cache`` lists
+    (4.36-4.55) or legacy tuples."""
+    layers = getattr(cache, "layers", None)
+    if layers:
+        return layers[0].keys
+    key_cache = getattr(cache, "key_cache", None)
+    if key_cache:
+        return key_cache[0]
+    assert isinstance(cache, tuple), f"no cache in the output: {cache!r}"
+    return cache[0][0]
 
 
 # -- bad input passes through untouched ------------------------------------------------------------------
@@ -319,6 +331,10 @@ def _same(call, args, kwargs):
         pytest.param(
             lambda: ((), {"past_key_values": torch.zeros(1, device="cuda:0"), "max_new_tokens": 2}),
             id="cache-tensor",
+        ),
+        pytest.param(  # transformers >= 5.24 names the argument ``cache``
+            lambda: ((), {"cache": torch.zeros(1, device="cuda:0"), "max_new_tokens": 2}),
+            id="cache-tensor-by-its-new-name",
         ),
     ],
 )

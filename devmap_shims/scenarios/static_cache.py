@@ -88,9 +88,18 @@ def forward_on_a_split_model(arch: str) -> str:
     return f"{arch} split over cuda:0 and cuda:1: model(input_ids) gives the CPU's logits"
 
 
+def _cache_argument(model: Any) -> str:
+    """The name ``model``'s forward takes a cache by: ``cache`` from transformers 5.24, where
+    ``past_key_values`` still works but warns, else ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
 def generate_with_a_user_static_cache() -> str:
-    """``generate(past_key_values=StaticCache(..., device="cuda:0"))`` on the tiny Llama split over
-    cuda:0 and cuda:1; the summary when the tokens equal the CPU's."""
+    """``generate(past_key_values=StaticCache(..., device="cuda:0"))`` (``cache=`` on transformers
+    >= 5.24) on the tiny Llama split over cuda:0 and cuda:1; the summary when the tokens equal the
+    CPU's."""
     import torch
     from transformers import AutoModelForCausalLM, StaticCache
 
@@ -104,6 +113,6 @@ def generate_with_a_user_static_cache() -> str:
         model = AutoModelForCausalLM.from_pretrained(path, device_map=device_map)
         cache = StaticCache(config=model.config, max_batch_size=ids.shape[0], max_cache_len=ids.shape[-1] + NEW_TOKENS,
                             device="cuda:0", dtype=torch.float32)
-        out = model.generate(ids.to("cuda:0"), past_key_values=cache, max_new_tokens=NEW_TOKENS,
+        out = model.generate(ids.to("cuda:0"), **{_cache_argument(model): cache}, max_new_tokens=NEW_TOKENS,
                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
     return same_tokens(out[:, ids.shape[-1]:], reference, "split over cuda:0 and cuda:1 with a StaticCache on cuda:0")

@@ -82,6 +82,10 @@ def test_budgets_of_one_model_never_reach_another_models_map(direct):
     assert set(device_map.values()) == {0}, device_map  # another model: the user's (None) budget stands
 
 
+def _gpus(budgets):
+    return {device: size for device, size in budgets.items() if device != "cpu"}
+
+
 @SIM
 def test_outside_from_pretrained_every_call_is_passed_through(direct):
     from accelerate.utils import get_balanced_memory, infer_auto_device_map
@@ -89,7 +93,8 @@ def test_outside_from_pretrained_every_call_is_passed_through(direct):
     _, balance, place = _wrappers(direct)
     m = model()
     budgets = balance(get_balanced_memory, None, (m,), dict(no_split_module_classes=NO_SPLIT))
-    assert budgets == get_balanced_memory(m, no_split_module_classes=NO_SPLIT)
+    # the "cpu" budget is the host's available memory at each call, which other processes change
+    assert _gpus(budgets) == _gpus(get_balanced_memory(m, no_split_module_classes=NO_SPLIT)) != {}
     device_map = place(infer_auto_device_map, None, (m,), dict(no_split_module_classes=NO_SPLIT, max_memory=None))
     assert set(device_map.values()) == {0}, device_map
 

@@ -118,8 +118,9 @@ def align_generate_inputs(wrapped: Callable[..., Any], instance: Any, args: Tupl
 def to_device(result: Any, device: Any, depth: int = 0) -> Any:
     """``result``'s tensors on ``device``: a tensor, or a ModelOutput / tuple holding tensors.
 
-    Caches are left where they are (``past_key_values`` and ``cache`` keys, and any object that is not a tensor,
-    tuple, list or mapping). Copies to the CPU are blocking, so the caller can read them at once.
+    Caches are left where they are (``past_key_values`` and ``cache`` keys, and any object that is
+    not a tensor, tuple, list or mapping). Copies to the CPU are blocking, so the caller can read
+    them at once.
     """
     if isinstance(result, tensor_type()):
         return result.to(device)

@@ -278,7 +278,8 @@ def test_dict_output_comes_back_on_the_caller_device_except_the_cache(checkpoint
         assert out.sequences.device == torch.device("cpu")
         assert all(score.device == torch.device("cpu") for score in out.scores)
         # the cache stays on the model's GPU (transformers >= 5.24 names the field ``cache``)
-        assert _first_cached_keys(out.get("cache", out.get("past_key_values"))).device == torch.device("cuda:1")
+        cache = out.get("cache", out.get("past_key_values"))
+        assert _first_cached_keys(cache).device == torch.device("cuda:1")
 
 
 def _first_cached_keys(cache):

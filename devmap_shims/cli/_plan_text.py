@@ -49,9 +49,9 @@ def render(report: Dict[str, Any]) -> str:
         modules = ", ".join(report["modules_per_device"].get(dev, [])) or "-"
         rows.append((label, format_bytes(used), share, modules))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    for r in rows:
+    for r in rows:  # the padded columns are the first line's prefix, so wrapping keeps them aligned
         head = "  " + "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  "
-        lines.append(wrap(head + r[3], indent=" " * len(head)))
+        lines.append(fit(r[3], WIDTH, indent=head, hang=" " * len(head)))
     lines.extend(_verdict_lines(report))
     before = report.get("without_shims")
     if before:

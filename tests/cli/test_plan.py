@@ -307,6 +307,41 @@ def test_text_output_fits_100_columns_with_a_long_path(capsys, tmp_path, stack_r
     assert all(len(line) <= 100 for line in err.splitlines()), err
 
 
+def assert_columns_line_up(text):
+    """The per-device table: each column starts under its heading, after at least two spaces, and
+    a module list that runs on to another line continues under the modules column."""
+    lines = text.splitlines()
+    top = next(i for i, line in enumerate(lines) if line.split()[:2] == ["device", "bytes"])
+    header = lines[top]
+    columns = [header.index(name) for name in ("bytes", "share", "modules")]
+    rows = [line for line in lines[top + 1:] if line.startswith(("  GPU ", "  cpu", "  disk"))]
+    for row in rows:
+        assert all(row[c - 2:c] == "  " and row[c] != " " for c in columns), (header, row)
+    table_end = top + 1
+    while table_end < len(lines) and lines[table_end].startswith("  "):
+        table_end += 1
+    follow = [line for line in lines[top + 1:table_end] if line not in rows]
+    assert all(len(line) - len(line.lstrip()) == columns[-1] for line in follow), (header, follow)
+    return rows, follow
+
+
+def test_the_per_device_text_is_a_table_whose_columns_line_up(capsys, gemma_dir, stack_ready):
+    from devmap_shims.cli._plan_text import render
+
+    argv = (str(gemma_dir), "--gpus", "4x23GiB", "--quantization", "4bit", "--max-memory",
+            "0=2GiB,1=1500MiB,2=2GiB,3=1500MiB", "-q")
+    code, out, _ = run(capsys, *argv)
+    rows, _ = assert_columns_line_up(out)
+    assert code == 0 and len(rows) == 4, out
+    # a list of modules too long for one line (a map of unrelated blocks) wraps under its column
+    report = json.loads(run(capsys, *argv, "--json")[1])
+    report["modules_per_device"]["1"] = [f"model.vision_tower.blocks.{i}.attention" for i in range(0, 40, 3)]
+    text = render(report)
+    assert all(len(line) <= 100 for line in text.splitlines()), text
+    _, follow = assert_columns_line_up(text)
+    assert len(follow) >= 2, text
+
+
 # -- wrap ------------------------------------------------------------------------------------------------
 
 

@@ -8,6 +8,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from devmap_shims.cli._output import EXIT_OK, WIDTH, UsageError, fit, print_json, wrap
 
+#: ``schema_version`` of ``matrix --json`` and ``explain ID --json``
+SCHEMA_VERSION = 1
+
 
 def add_matrix_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--applicable", action="store_true", help="only rows that apply to the installed versions")
@@ -95,7 +98,7 @@ def run_matrix(args: argparse.Namespace) -> int:
         versions = installed_versions(sorted({d for r in rows for d in r.affected}))
         rows = [r for r in rows if r.applies(versions)]
     if args.json:
-        print_json({"schema_version": 1, "rows": [row_to_dict(r, shim_of.get(r.id)) for r in rows]})
+        print_json({"schema_version": SCHEMA_VERSION, "rows": [row_to_dict(r, shim_of.get(r.id)) for r in rows]})
         return EXIT_OK
     print(matrix_text(rows, shim_of))
     print(f"\n{len(rows)} row(s). `devmap-shims explain ID` shows one in full.")
@@ -145,7 +148,7 @@ def _explain_row(row: Any, shim: Optional[str], as_json: bool) -> int:
 
     applies, why = _here(row)
     if as_json:
-        data = row_to_dict(row, shim)
+        data = {"schema_version": SCHEMA_VERSION, **row_to_dict(row, shim)}
         data["applies_here"] = applies
         data["applicability"] = why
         print_json(data)
@@ -194,7 +197,7 @@ def _explain_shim(shim: Any, matrix: Any, as_json: bool) -> int:
         "armed_here": any(r["applies_here"] for r in rows),
     }
     if as_json:
-        print_json(data)
+        print_json({"schema_version": SCHEMA_VERSION, **data})
         return EXIT_OK
     print(fit(f"{shim.id}: {shim.summary}", hang="  "))
     _field("module", data["module"])

@@ -66,6 +66,7 @@ def test_explain_a_shim_shows_its_module_targets_and_the_range_of_each_row(capsy
         assert line in out.replace("\n" + " " * 15, " ")  # on one line, or wrapped under its column
     code, out, _ = run_cli(capsys, "explain", "--json", "dispatch-skip-keys")
     data = json.loads(out)
+    assert data["schema_version"] == 1 and data["shim"] == "dispatch-skip-keys"
     assert [r["id"] for r in data["rows"]] == [
         "dispatch-without-skip-keys-moves-kv-cache", "accelerate-skip-keys-not-propagated"]
     assert data["rows"][1]["affected"] == {"accelerate": ">=0.20.0,<1.0.0"}
@@ -99,6 +100,7 @@ def test_explain_json_says_whether_it_applies(capsys):
     code, out, _ = run_cli(capsys, "explain", "--json", "balanced-memory-large-unquantized-embedding-collapse")
     data = json.loads(out)
     assert code == 0 and isinstance(data["applies_here"], bool) and data["applicability"]
+    assert data["schema_version"] == 1 and data["id"] == "balanced-memory-large-unquantized-embedding-collapse"
 
 
 def test_doctor_json(capsys):

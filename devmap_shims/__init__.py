@@ -68,7 +68,10 @@ def install(
     plugins: load shims and matrix rows from other distributions' entry points (default: yes
              unless ``DEVMAP_SHIMS_NO_PLUGINS=1``).
 
-    Returns True when the shims are installed after the call. A second call is a no-op.
+    Returns True when the shims are installed after the call. A second call is a no-op (with a
+    warning when its arguments differ: ``uninstall()`` first), except after the start-up install
+    of ``DEVMAP_SHIMS=1``: the program's own call replaces that one when it asks for other
+    arguments or loads plugins start-up left out (an INFO line says what changed).
     ``DEVMAP_SHIMS=0`` in the environment turns every call into a no-op (kill switch).
     Unknown ids give a warning (a ValueError in strict mode).
     """

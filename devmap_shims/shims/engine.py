@@ -81,18 +81,31 @@ class Engine:
                 "strict": strict_mode,
                 "plugins": plugins,
             }
-            if self.installed:
-                if not auto and not self.options.get("auto") and requested != self.options.get("requested"):
-                    registry.warn(
-                        "install() was already called with other arguments; call devmap_shims.uninstall() "
-                        "first to change them"
-                    )
-                return True
             use_plugins = (not settings.no_plugins) if plugins is None else bool(plugins)
-            builtin_ids = list(catalog.builtin_ids())
             # At interpreter start-up only the plugins the operator names load.
             names = (settings.plugins or None) if auto else None
-            others, rows, problems = self._gather(use_plugins and (names is not None or not auto), builtin_ids, names)
+            load_plugins = use_plugins and (names is not None or not auto)
+            if self.installed:
+                if auto:  # the start-up line again (site read the .pth file twice)
+                    return True
+                if not self.options.get("auto"):
+                    if requested != self.options.get("requested"):
+                        registry.warn(
+                            "install() was already called with other arguments; call "
+                            "devmap_shims.uninstall() first to change them"
+                        )
+                    return True
+                # the program's own call after the start-up install: its arguments are the ones meant
+                changes = self._changes_from_start_up(requested, load_plugins)
+                if not changes:
+                    return True
+                logger().info(
+                    "install() from the program replaces the start-up install (DEVMAP_SHIMS=1): %s",
+                    "; ".join(changes),
+                )
+                self.uninstall()
+            builtin_ids = list(catalog.builtin_ids())
+            others, rows, problems = self._gather(load_plugins, builtin_ids, names)
             known = builtin_ids + [s.id for s in others]
             id_problems = config.unknown_id_problems(settings, known)
             self._selection = {
@@ -112,7 +125,13 @@ class Engine:
             registry.reset_knowledge()
             for shim in others:
                 self._add(shim)
-            self.options = {"requested": requested, "auto": auto, "settings": settings.as_dict()}
+            self.options = {
+                "requested": requested,
+                "auto": auto,
+                "settings": settings.as_dict(),
+                # the distributions whose plugins this install loaded: None all, () none
+                "plugins_loaded": (None if names is None or "*" in names else names) if load_plugins else (),
+            }
             self.installed = True
             self.killed = False
             self._builtins_loaded = False
@@ -123,6 +142,27 @@ class Engine:
             importhook.before_first_import(triggers, self.load_builtins)
             self.imported_before_install = self._imported_targets()
         return True
+
+    def _changes_from_start_up(self, requested: Dict[str, Any], load_plugins: bool) -> List[str]:
+        """What a program's ``install()`` asks for that the start-up install did otherwise: its
+        arguments, and the plugins it loads (every one found, where start-up loads only those
+        ``DEVMAP_SHIMS_PLUGINS`` names)."""
+        before = self.options.get("requested") or {}
+        changes = [
+            f"{key}={requested[key]!r}" for key in ("only", "exclude", "force", "strict")
+            if requested[key] != before.get(key)
+        ]
+        loaded = self.options.get("plugins_loaded", ())
+        if load_plugins != (loaded != ()) or (load_plugins and loaded is not None):
+            from devmap_shims.shims import plugins
+
+            groups = (plugins.SHIM_GROUP, plugins.MATRIX_GROUP)
+            found = {dist for group in groups for dist, _ in plugins.entry_points(group)}
+            if load_plugins and found - set(loaded or ()):
+                changes.append(f"plugins of {', '.join(sorted(found - set(loaded or ())))} loaded")
+            elif not load_plugins and found & (found if loaded is None else set(loaded)):
+                changes.append("no plugins")
+        return changes
 
     def load_builtins(self) -> None:
         """Import the built-in shim modules and arm their shims (once per install). Called just

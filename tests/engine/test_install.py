@@ -157,6 +157,38 @@ def test_install_again_with_other_arguments_warns(fake_stack, caplog):
     assert "already called with other arguments" in caplog.text
 
 
+def test_the_programs_install_replaces_the_start_up_install(fake_stack, caplog, monkeypatch):
+    from devmap_shims.shims import plugins
+
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [])  # no plugin distribution here
+    register_fake()
+    devmap_shims.install(_auto=True)  # what DEVMAP_SHIMS=1 does at interpreter start-up
+    import fakelib.core
+
+    assert fakelib.core.compute(3) == 7 and devmap_shims.status()["auto_enabled"]
+    with caplog.at_level(logging.INFO, logger="devmap_shims"):
+        assert devmap_shims.install(exclude=["fake-fix"])
+    assert fakelib.core.compute(3) == 6  # the program's exclude holds
+    assert shim_status()["selected"] is False and not devmap_shims.status()["auto_enabled"]
+    assert "install() from the program replaces the start-up install" in caplog.text
+    assert "exclude=('fake-fix',)" in caplog.text
+
+
+def test_the_programs_plain_install_keeps_the_start_up_install(fake_stack, caplog, monkeypatch):
+    from devmap_shims.shims import plugins
+
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [])
+    register_fake()
+    devmap_shims.install(_auto=True)
+    import fakelib.core
+
+    wrapper = fakelib.core.compute
+    with caplog.at_level(logging.INFO, logger="devmap_shims"):
+        assert devmap_shims.install()
+    assert fakelib.core.compute is wrapper and fakelib.core.compute(3) == 7
+    assert devmap_shims.status()["auto_enabled"] and "replaces" not in caplog.text
+
+
 def test_install_uninstall_install(fake_stack):
     register_fake()
     import fakelib.core

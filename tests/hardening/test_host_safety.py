@@ -112,6 +112,21 @@ def test_at_start_up_only_the_plugins_the_operator_names_are_loaded(evil, tmp_pa
     assert proc.returncode == 0 and marker.exists()
 
 
+def test_the_programs_install_loads_the_plugins_start_up_left_out(evil, tmp_path):
+    marker = tmp_path / "imported"
+    code = ("import os, devmap_shims; print('BEFORE', os.path.exists(os.environ['EVIL_MARKER'])); "
+            "devmap_shims.install(); print('AFTER', os.path.exists(os.environ['EVIL_MARKER']))")
+    proc = evil(code, DEVMAP_SHIMS="1", DEVMAP_SHIMS_LOG="info", EVIL_MARKER=str(marker))
+    assert proc.returncode == 0 and proc.stdout.split() == ["BEFORE", "False", "AFTER", "True"], proc.stderr
+    assert "replaces the start-up install (DEVMAP_SHIMS=1): plugins of evil-plugin loaded" in proc.stderr
+    # the plugins start-up loaded already: nothing to replace
+    marker.unlink()
+    proc = evil(code, DEVMAP_SHIMS="1", DEVMAP_SHIMS_PLUGINS="evil-plugin", DEVMAP_SHIMS_LOG="info",
+                EVIL_MARKER=str(marker))
+    assert proc.returncode == 0 and proc.stdout.split() == ["BEFORE", "True", "AFTER", "True"], proc.stderr
+    assert "replaces" not in proc.stderr
+
+
 def test_a_named_plugin_not_on_the_path_at_start_up_is_said(evil):
     proc = evil(STATUS, DEVMAP_SHIMS="1", DEVMAP_SHIMS_PLUGINS="later-plugin")
     assert proc.returncode == 0 and "ALIVE True" in proc.stdout

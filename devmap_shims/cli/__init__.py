@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", parser_class=_Parser)
     for name, module_name, add, run, help_text in COMMANDS:
         module = importlib.import_module(module_name)
-        # `run` passes everything after it to the command, options included
-        extra = {"prefix_chars": "\0"} if name == "run" else {}
+        # `run` passes everything after it to the command, options included (its -h is its own)
+        extra = {"prefix_chars": "\0", "add_help": False} if name == "run" else {}
         command = sub.add_parser(name, help=help_text, **extra)
         getattr(module, add)(command)
         command.set_defaults(func=getattr(module, run))

@@ -16,11 +16,21 @@ from devmap_shims.shims.config import ENV_ENABLE, flag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("command", nargs=argparse.REMAINDER)
+    parser.usage = "devmap-shims run [-h] -- COMMAND [ARG ...]"
+    parser.description = (
+        "Run COMMAND with DEVMAP_SHIMS=1, so that every Python process it starts installs the shims "
+        "(DEVMAP_SHIMS=0 in the environment beats it). Exits with COMMAND's status; 127 when it does "
+        "not exist, 126 when it cannot be run."
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command and its arguments, after --")
+    parser.set_defaults(run_parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
     command = list(args.command)
+    if command[:1] in (["-h"], ["--help"]):  # run's own help; `run -- --help` runs a command "--help"
+        args.run_parser.print_help()
+        return EXIT_OK
     if command and command[0] == "--":
         command = command[1:]
     if not command:

@@ -56,13 +56,19 @@ def _repair_failed(registry: Registry, entry: TargetEntry, exc: BaseException) -
     shim_entry = entry.shim_entry
     shim = shim_entry.shim
     shim_entry.call_failures += 1
-    message = (
+    failed = (
         f"shim {shim.id!r} (fixes {', '.join(shim.fixes)}) failed inside {entry.target.key}: "
-        f"{type(exc).__name__}: {exc}. The call went on without the repair and this shim is now off; "
-        "set DEVMAP_SHIMS_STRICT=1 to raise instead."
+        f"{type(exc).__name__}: {exc}."
     )
     if registry.strict:
-        raise ShimError(message) from exc
+        raise ShimError(
+            f"{failed} Strict mode (DEVMAP_SHIMS_STRICT=1 or install(strict=True)) raises instead of "
+            "running the call without the repair."
+        ) from exc
+    message = (
+        f"{failed} The call went on without the repair and this shim is now off; "
+        "set DEVMAP_SHIMS_STRICT=1 to raise instead."
+    )
     with registry.lock:
         for target_entry in shim_entry.targets:
             if target_entry.state == ACTIVE:

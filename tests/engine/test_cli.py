@@ -128,6 +128,14 @@ def test_usage_errors_exit_2():
         assert "Traceback" not in proc.stderr
 
 
+def test_run_help_is_runs_own_and_after_the_separator_belongs_to_the_command():
+    proc = subprocess.run([sys.executable, "-m", "devmap_shims", "run", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: devmap-shims run [-h] -- COMMAND"), proc.stderr
+    assert "Exits with COMMAND's status" in " ".join(proc.stdout.split())
+    proc = subprocess.run([sys.executable, "-m", "devmap_shims", "run", "--", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 127 and "cannot run '--help'" in proc.stderr
+
+
 def test_run_sets_the_variable():
     proc = subprocess.run(
         [sys.executable, "-m", "devmap_shims", "run", "--", sys.executable, "-c",

@@ -92,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
                 importlib.import_module(name)
             except Exception:
                 pass  # absent or failing target: its entry tells
+    # the GPUs first: listing them imports torch, which the report's imported_now and shims then show
+    devices = _devices() if not args.no_devices else None
     data = ENGINE.status()
     matrix = ENGINE.registry.matrix()
     shim_of = shim_of_rows(e.shim for e in ENGINE.registry.shims.values())
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     applicable = [r for r in matrix.rows if r.applies(versions)]
     data["applicable_rows"] = [row_to_dict(r, shim_of.get(r.id)) for r in applicable]
     data["auto_enable"] = _auto_enable_info()
-    data["devices"] = _devices() if not args.no_devices else None
+    data["devices"] = devices
     data["module_versions"] = {
         name: getattr(sys.modules[name], "__version__", None)
         for name in TARGET_DISTRIBUTIONS

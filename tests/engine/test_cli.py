@@ -121,6 +121,16 @@ def test_doctor_reports_the_start_files(capsys, monkeypatch):
     assert auto["active"] is True
 
 
+def test_doctor_reports_the_libraries_imported_when_it_reports():
+    # --no-import still lists the GPUs, which imports torch: the report says so, in every field
+    proc = subprocess.run([sys.executable, "-m", "devmap_shims", "doctor", "--json", "--no-import"],
+                          capture_output=True, text=True)
+    data = json.loads(proc.stdout)
+    assert proc.returncode == 0 and set(data["module_versions"]) <= set(data["imported_now"]), data
+    torch_installed = data["versions"].get("torch") is not None
+    assert ("torch" in data["imported_now"]) == torch_installed
+
+
 def test_usage_errors_exit_2():
     for args in (["bogus"], ["matrix", "--json", "--markdown"], ["explain"], ["run"]):
         proc = subprocess.run([sys.executable, "-m", "devmap_shims", *args], capture_output=True, text=True)

@@ -52,39 +52,56 @@ def _end_line(lines: List[str]) -> str:
     return f"end {len(lines)} {fnv1a(chr(10).join(lines))}"
 
 
-def read(name: str, header: str, accept: Callable[[str], bool]) -> Optional[List[str]]:
-    """The lines stored under ``name`` after ``header`` (format and key), or None when there is no
-    such file or it cannot be trusted."""
-    folder = cache_dir()
-    if folder is None:
-        return None
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+def read_regular_file(path: str, limit: int, *, follow_links: bool = True, own: bool = False,
+                      whole: bool = True) -> Optional[bytes]:
+    """The bytes of the regular file at ``path``, or None: opened without blocking, so a FIFO, a
+    device (``/dev/zero``, ``/dev/stdin``) or a folder is never read. With ``whole``, a file over
+    ``limit`` bytes gives None; without, its first ``limit`` bytes. ``follow_links=False`` refuses
+    a link, ``own=True`` a file of another user."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow_links:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(os.path.join(folder, name), flags)
+        fd = os.open(path, flags)
     except OSError:
         return None
     try:
         import stat
 
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES:
+        if not stat.S_ISREG(info.st_mode) or (whole and info.st_size > limit):
             return None
-        if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
+        if own and hasattr(os, "geteuid") and info.st_uid != os.geteuid():
             return None
         chunks, size = [], 0
-        while size <= MAX_BYTES:
+        while size <= limit:
             chunk = os.read(fd, 65536)
             if not chunk:
                 break
             chunks.append(chunk)
             size += len(chunk)
-        if size > MAX_BYTES:
+        if size > limit and whole:
             return None
-        text = b"".join(chunks).decode("utf-8")
-    except (OSError, UnicodeDecodeError):
+        return b"".join(chunks)[:limit]
+    except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def read(name: str, header: str, accept: Callable[[str], bool]) -> Optional[List[str]]:
+    """The lines stored under ``name`` after ``header`` (format and key), or None when there is no
+    such file or it cannot be trusted."""
+    folder = cache_dir()
+    if folder is None:
+        return None
+    data = read_regular_file(os.path.join(folder, name), MAX_BYTES, follow_links=False, own=True)
+    if data is None:
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()

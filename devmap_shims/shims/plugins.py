@@ -11,8 +11,9 @@ Plugin shim ids and row ids are prefixed with the distribution name (``acme-shim
 never collide with built-in ones.
 
 A plugin is somebody else's code running inside every process that enables the shims, so loading
-one is contained: each entry point is loaded (and its callable called) in a thread of its own,
-given :data:`LOAD_BUDGET` seconds, with what it prints kept out of the host's streams; a plugin
+one is contained: each entry point is loaded, its callable called and what it gives read (an
+iterable, a TOML file, the shims' attributes) in a thread of its own, given :data:`LOAD_BUDGET`
+seconds, with what that thread prints kept out of the host's streams, also after its budget; a plugin
 that raises anything (``SystemExit`` and ``KeyboardInterrupt`` included), runs over its budget or
 prints is skipped or reported with a warning naming it, and the host goes on. At interpreter
 start-up (``DEVMAP_SHIMS=1``) plugins load only when the operator names their distributions in
@@ -49,7 +50,9 @@ def _group_declared(group: str) -> bool:
     import os
     import sys
 
-    needle = f"[{group}]"
+    from devmap_shims.cache import read_regular_file
+
+    needle = f"[{group}]".encode()
     for entry in sys.path:
         try:
             names = os.listdir(entry or ".")
@@ -58,12 +61,11 @@ def _group_declared(group: str) -> bool:
         for name in names:
             if not name.endswith((".dist-info", ".egg-info")):
                 continue
-            try:
-                with open(os.path.join(entry or ".", name, "entry_points.txt"), encoding="utf-8") as handle:
-                    if needle in handle.read(65536):
-                        return True
-            except (OSError, UnicodeDecodeError):
-                continue
+            # never blocks: an entry_points.txt that is a FIFO (a folder on sys.path, the working
+            # directory included, is anybody's) is not read
+            text = read_regular_file(os.path.join(entry or ".", name, "entry_points.txt"), 65536, whole=False)
+            if text is not None and needle in text:
+                return True
     return False
 
 
@@ -116,31 +118,86 @@ class _Captured:
         return False
 
 
+class _Routed:
+    """Stands in for ``sys.stdout`` / ``sys.stderr`` while a plugin loads: what the loader thread
+    writes goes to the capture, what every other thread writes to the host's stream, which
+    answers everything else (``fileno``, ``encoding``, ``buffer`` ...)."""
+
+    def __init__(self, host: Any, captured: _Captured, thread: int) -> None:
+        self._host = host
+        self._captured = captured
+        self._thread = thread
+
+    def write(self, text: str) -> int:
+        import threading
+
+        if threading.get_ident() == self._thread:
+            return self._captured.write(text)
+        return self._host.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._host, name)
+
+
 def contained(call: Callable[[], Any], budget: float = LOAD_BUDGET) -> Tuple[Any, Optional[str], Optional[str]]:
     """``call()`` run in a thread of its own within ``budget`` seconds, its prints captured:
     ``(value, error, output)``: ``error`` says what went wrong (an exception of any kind, or the
-    budget), ``output`` quotes what it printed (None when nothing)."""
+    budget), ``output`` quotes what it printed (None when nothing).
+
+    Only the loader thread's prints are captured: the host's other threads keep writing to their
+    streams meanwhile. A loader still running after its budget keeps its prints captured until it
+    ends (the streams go back to the host's then), so a late plugin never writes into the host's
+    output."""
     import sys
     import threading
 
     outcome: Dict[str, Any] = {}
+    captured = _Captured()
+    hosts = sys.stdout, sys.stderr
+    routed: List[Any] = []
+    lock = threading.Lock()
+
+    def restore() -> None:  # once, by whichever of the caller and the loader is last
+        with lock:
+            if not routed:
+                return
+            out, err = routed
+            del routed[:]
+            if sys.stdout is out:
+                sys.stdout = hosts[0]
+            if sys.stderr is err:
+                sys.stderr = hosts[1]
+
+    routing = threading.Event()
 
     def run() -> None:
         try:
+            routing.wait()  # the plugin's first print is already the loader's
             outcome["value"] = call()
         except BaseException as exc:  # SystemExit, KeyboardInterrupt: the plugin's, never the host's
             outcome["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            with lock:
+                outcome["done"] = True
+                late = outcome.get("late")
+            if late:
+                restore()
 
-    captured = _Captured()
-    streams = sys.stdout, sys.stderr
-    sys.stdout = sys.stderr = captured
+    worker = threading.Thread(target=run, name="devmap-shims plugin loader", daemon=True)
     try:
-        worker = threading.Thread(target=run, name="devmap-shims plugin loader", daemon=True)
         worker.start()
+        with lock:
+            routed[:] = [_Routed(hosts[0], captured, worker.ident), _Routed(hosts[1], captured, worker.ident)]
+            sys.stdout, sys.stderr = routed
+        routing.set()
         worker.join(budget)
     finally:
-        sys.stdout, sys.stderr = streams
-    if worker.is_alive():
+        routing.set()
+        with lock:
+            outcome["late"] = not outcome.get("done")
+        if not outcome["late"]:
+            restore()
+    if outcome["late"]:
         outcome["error"] = f"still running after {budget:g} s; start-up went on without it"
     output = None
     if captured.size:
@@ -166,12 +223,9 @@ def _wanted(dist: str, names: Optional[Collection[str]]) -> bool:
     return names is None or "*" in names or dist in names
 
 
-def _load(ep: Any, want: Callable[[Any], bool]) -> Callable[[], Any]:
-    def load() -> Any:
-        obj = ep.load()
-        return obj() if callable(obj) and want(obj) else obj
-
-    return load
+def _called(ep: Any, want: Callable[[Any], bool]) -> Any:
+    obj = ep.load()
+    return obj() if callable(obj) and want(obj) else obj
 
 
 def plugin_rows(names: Optional[Collection[str]] = None) -> Tuple[List[Dict[str, Any]], List[str]]:
@@ -182,31 +236,40 @@ def plugin_rows(names: Optional[Collection[str]] = None) -> Tuple[List[Dict[str,
     for dist, ep in entry_points(MATRIX_GROUP):
         if not _wanted(dist, names):
             continue
-        obj, error, output = contained(_load(ep, lambda obj: True))
+
+        def load(dist: str = dist, ep: Any = ep) -> List[Dict[str, Any]]:
+            # all of the plugin's code runs here, in the contained thread: its callable, and the
+            # iterable or the TOML file it gives (a generator that never ends, a FIFO)
+            obj = _called(ep, lambda obj: True)
+            loaded = []
+            for row in _read_toml_rows(obj) if isinstance(obj, str) else obj:
+                row = dict(row)
+                row["id"] = _prefixed(dist, str(row.get("id", "")))
+                row.setdefault("source", f"plugin {dist} ({ep.value})")
+                loaded.append(row)
+            return loaded
+
+        loaded, error, output = contained(load)
         if output:
             problems.append(f"plugin {dist}: matrix entry point {ep.name!r} {output}")
-        if error is None:
-            try:
-                for row in _read_toml_rows(obj) if isinstance(obj, str) else obj:
-                    row = dict(row)
-                    row["id"] = _prefixed(dist, str(row.get("id", "")))
-                    row.setdefault("source", f"plugin {dist} ({ep.value})")
-                    rows.append(row)
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
         if error is not None:
             problems.append(
                 f"plugin {dist}: matrix entry point {ep.name!r} ({ep.value}) failed to load ({error}); "
                 "its rows are ignored"
             )
+            continue
+        rows.extend(loaded)
     return rows, problems
 
 
 def _read_toml_rows(path: str) -> List[Dict[str, Any]]:
+    from devmap_shims.cache import read_regular_file
     from devmap_shims.compat_matrix import read_toml
 
-    with open(path, "rb") as handle:
-        return list(read_toml(handle.read(1 << 20), path).get("bug", []))
+    data = read_regular_file(path, 1 << 20)
+    if data is None:
+        raise ValueError(f"{path!r:.200} is not a regular file of at most 1 MiB")
+    return list(read_toml(data, path).get("bug", []))
 
 
 def plugin_shims(
@@ -220,35 +283,49 @@ def plugin_shims(
     for dist, ep in entry_points(SHIM_GROUP):
         if not _wanted(dist, names):
             continue
-        obj, error, output = contained(_load(ep, lambda obj: not isinstance(obj, Shim)))
+
+        def load(dist: str = dist, ep: Any = ep) -> Tuple[List[Tuple[str, Shim]], List[str]]:
+            # in the contained thread: the plugin's callable, its iterable, and every attribute of
+            # the shims it gives (a property is the plugin's code too); what leaves is plain Shims
+            obj = _called(ep, lambda obj: not isinstance(obj, Shim))
+            found: List[Tuple[str, Shim]] = []
+            wrong: List[str] = []
+            for shim in [obj] if isinstance(obj, Shim) else list(obj):
+                if not isinstance(shim, Shim):
+                    wrong.append(
+                        f"plugin {dist}: entry point {ep.name!r} gave {shim!r:.100}, not a devmap_shims Shim; skipped"
+                    )
+                    continue
+                fixes = tuple(
+                    _prefixed(dist, bug) if _prefixed(dist, bug) in plugin_row_ids else bug
+                    for bug in shim.fixes
+                )
+                own_id = str(shim.id)
+                plain = shim.replace(id=_prefixed(dist, own_id), fixes=fixes, source=f"plugin {dist}")
+                found.append((own_id, plain))
+            return found, wrong
+
+        loaded, error, output = contained(load)
         if output:
             problems.append(f"plugin {dist}: shim entry point {ep.name!r} {output}")
-        if error is None:
-            try:
-                declared = [obj] if isinstance(obj, Shim) else list(obj)
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
         if error is not None:
             problems.append(
                 f"plugin {dist}: shim entry point {ep.name!r} ({ep.value}) failed to load ({error}); it is skipped"
             )
             continue
-        for shim in declared:
-            if not isinstance(shim, Shim):
-                problems.append(f"plugin {dist}: entry point {ep.name!r} gave {shim!r:.100}, not a devmap_shims Shim; skipped")
-                continue
-            new_id = _prefixed(dist, shim.id)
-            if shim.id in builtin_ids:
+        found, wrong = loaded
+        problems.extend(wrong)
+        for own_id, shim in found:
+            if own_id in builtin_ids:
                 problems.append(
-                    f"plugin {dist}: shim id {shim.id!r} is the id of a built-in shim; it is registered "
-                    f"as {new_id!r} and the built-in one is unchanged"
+                    f"plugin {dist}: shim id {own_id!r} is the id of a built-in shim; it is registered "
+                    f"as {shim.id!r} and the built-in one is unchanged"
                 )
-            if new_id in seen:
-                problems.append(f"plugin {dist}: shim id {new_id!r} is declared twice; the second one is skipped")
+            if shim.id in seen:
+                problems.append(
+                    f"plugin {dist}: shim id {shim.id!r} is declared twice; the second one is skipped"
+                )
                 continue
-            seen.add(new_id)
-            fixes = tuple(
-                _prefixed(dist, bug) if _prefixed(dist, bug) in plugin_row_ids else bug for bug in shim.fixes
-            )
-            shims.append(shim.replace(id=new_id, fixes=fixes, source=f"plugin {dist}"))
+            seen.add(shim.id)
+            shims.append(shim)
     return shims, problems

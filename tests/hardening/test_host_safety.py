@@ -31,7 +31,28 @@ if MODE == "import-interrupt":
     raise KeyboardInterrupt
 
 
+def _forever():
+    while True:
+        time.sleep(1)
+        yield None
+
+
+def _exits():
+    raise SystemExit(7)
+    yield None
+
+
 def shims():
+    if MODE == "gen-hang":
+        return _forever()
+    if MODE == "late":
+        time.sleep(float(os.environ["EVIL_SLEEP"]))
+        print("LATE FROM THE PLUGIN")
+        sys.stderr.write("LATE ON STDERR" + chr(10))
+        return []
+    if MODE == "slow":
+        time.sleep(1)
+        return []
     if MODE == "shims-exit":
         raise SystemExit(4)
     if MODE == "shims-interrupt":
@@ -47,6 +68,10 @@ def shims():
 def rows():
     if MODE == "rows-exit":
         raise SystemExit(5)
+    if MODE == "gen-exit":
+        return _exits()
+    if MODE == "fifo-rows":
+        return os.environ["EVIL_FIFO"]
     return []
 '''
 
@@ -88,6 +113,62 @@ def test_a_plugin_that_raises_systemexit_or_keyboardinterrupt_is_skipped(evil, m
     assert "plugin evil-plugin" in at_start.stderr and ("SystemExit" in at_start.stderr or "KeyboardInterrupt" in at_start.stderr)
     in_code = evil("import devmap_shims; devmap_shims.install(); print('ALIVE', devmap_shims.is_installed())", mode)
     assert in_code.returncode == 0 and "ALIVE True" in in_code.stdout, in_code.stderr[-2000:]
+
+
+def test_what_a_plugin_returns_is_consumed_within_its_budget(evil, tmp_path):
+    # a generator that never ends, one that raises SystemExit, a TOML "file" that is a FIFO: all
+    # the plugin's doing, all inside the contained load
+    fifo = tmp_path / "rows.toml"
+    os.mkfifo(fifo)
+    for mode, said in (("gen-hang", "still running after"), ("gen-exit", "SystemExit: 7"),
+                       ("fifo-rows", "is not a regular file")):
+        for code, env in ((STATUS, {"DEVMAP_SHIMS": "1", "DEVMAP_SHIMS_PLUGINS": "*"}),
+                          ("import devmap_shims; devmap_shims.install(); print('ALIVE', devmap_shims.is_installed())", {})):
+            proc = evil(code, mode, EVIL_FIFO=str(fifo), timeout=60, **env)
+            assert proc.returncode == 0 and "ALIVE True" in proc.stdout, (mode, proc.stderr[-2000:])
+            assert said in proc.stderr and "evil-plugin" in proc.stderr, (mode, proc.stderr[-2000:])
+            assert proc.seconds < plugins.LOAD_BUDGET * 2 + 20
+
+
+def test_a_plugin_that_prints_after_its_budget_stays_out_of_the_hosts_streams(evil):
+    code = "import time; print('host start'); time.sleep({}); print('host end')".format(plugins.LOAD_BUDGET)
+    proc = evil(code, "late", DEVMAP_SHIMS="1", DEVMAP_SHIMS_PLUGINS="*", EVIL_SLEEP=str(plugins.LOAD_BUDGET + 1))
+    assert proc.returncode == 0 and proc.stdout.split("\n")[:2] == ["host start", "host end"], proc.stdout
+    assert "LATE" not in proc.stdout and "LATE" not in proc.stderr
+    assert "still running after" in proc.stderr
+
+
+def test_the_hosts_other_threads_keep_their_output_while_a_plugin_loads(evil):
+    code = textwrap.dedent("""
+        import threading, time, devmap_shims
+        def chatter():
+            for i in range(30):
+                print('host line', i, flush=True)
+                time.sleep(0.05)
+        t = threading.Thread(target=chatter)
+        t.start()
+        devmap_shims.install()
+        t.join()
+        print('WARNINGS', [w for w in devmap_shims.status()['warnings'] if 'host line' in w])
+    """)
+    proc = evil(code, "slow")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [line for line in proc.stdout.splitlines() if line.startswith("host line")] == [
+        f"host line {i}" for i in range(30)]
+    assert "WARNINGS []" in proc.stdout
+
+
+def test_an_entry_points_file_that_is_a_fifo_is_not_read(tmp_path):
+    # the working directory is on sys.path for `python -c`, and anybody may have made it; looking
+    # for plugins must not block on it (with a plugin installed, importlib.metadata reads every
+    # entry_points.txt and blocks there, as it does for any program that lists entry points)
+    folder = tmp_path / "trap-0.1.dist-info"
+    folder.mkdir()
+    os.mkfifo(folder / "entry_points.txt")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
+    proc = subprocess.run([sys.executable, "-c", "import devmap_shims; devmap_shims.install(); print('ALIVE')"],
+                          capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout == "ALIVE\n", proc.stderr[-2000:]
 
 
 def test_a_hanging_plugin_costs_its_budget_once_and_is_named(evil):

@@ -134,13 +134,33 @@ def read_settings(env: Optional[Mapping[str, str]] = None) -> Settings:
     return settings
 
 
+#: Unknown names quoted in one message; the rest are counted (a variable of 10,000 ids is one line).
+SHOWN_NAMES = 5
+
+
+def listed(names: List[str], shown: int = SHOWN_NAMES) -> str:
+    """``'a', 'b' and 'c'``, or the first ``shown`` of ``names`` and how many more, each cut short
+    as :func:`_shown` does."""
+    quoted = [_shown(n) for n in names[:shown]]
+    if len(names) > shown:
+        return f"{', '.join(quoted)} and {len(names) - shown} more"
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
+
+
 def unknown_id_problems(settings: Settings, known: List[str]) -> List[str]:
-    """Messages for ids in DISABLE/FORCE that name no shim."""
+    """A message for each of DISABLE/FORCE that names ids of no shim: one per variable, however
+    many ids it names."""
     problems = []
     for name, ids in ((ENV_DISABLE, settings.disable), (ENV_FORCE, settings.force)):
-        for shim_id in ids:
-            if shim_id not in known:
-                problems.append(
-                    f"{name} names unknown shim {_shown(shim_id)}; known shims: {', '.join(sorted(known))}. Ignoring it."
-                )
+        unknown = list(dict.fromkeys(i for i in ids if i not in known))
+        if len(unknown) == 1:
+            problems.append(
+                f"{name} names unknown shim {_shown(unknown[0])}; known shims: "
+                f"{', '.join(sorted(known))}. Ignoring it."
+            )
+        elif unknown:
+            problems.append(
+                f"{name} names {len(unknown)} unknown shims, {listed(unknown)}; known shims: "
+                f"{', '.join(sorted(known))}. Ignoring them."
+            )
     return problems

@@ -284,16 +284,25 @@ class Engine:
 
 
 def _id_problems(known: List[str], requested: Dict[str, Any]) -> List[str]:
-    """One message per id in install(only/exclude/force=...) that names no shim."""
+    """A message for each of install(only/exclude/force=...) that names ids of no shim: one per
+    id, or, past a few, one per argument."""
+    from devmap_shims.shims.config import SHOWN_NAMES, listed
+
     problems = []
     for name in ("only", "exclude", "force"):
-        for shim_id in requested[name] or ():
-            if shim_id not in known:
-                close = _close(shim_id, known)
-                problems.append(
-                    f"install({name}=...) names unknown shim {shim_id!r}"
-                    + (f"; did you mean {close!r}?" if close else f"; known shims: {', '.join(sorted(known))}")
-                )
+        unknown = list(dict.fromkeys(str(i) for i in requested[name] or () if i not in known))
+        if len(unknown) > SHOWN_NAMES:
+            problems.append(
+                f"install({name}=...) names {len(unknown)} unknown shims, {listed(unknown)}; "
+                f"known shims: {', '.join(sorted(known))}"
+            )
+            continue
+        for shim_id in unknown:
+            close = _close(shim_id, known)
+            problems.append(
+                f"install({name}=...) names unknown shim {shim_id!r}"
+                + (f"; did you mean {close!r}?" if close else f"; known shims: {', '.join(sorted(known))}")
+            )
     return problems
 
 

@@ -207,15 +207,23 @@ def contained(call: Callable[[], Any], budget: float = LOAD_BUDGET) -> Tuple[Any
 
 
 def missing(names: Optional[Collection[str]]) -> List[str]:
-    """A problem message for each distribution in ``names`` that declares no plugin here."""
+    """A problem message naming the distributions in ``names`` that declare no plugin here (one
+    message, however many)."""
     if not names or "*" in names:
         return []
+    from devmap_shims.shims.config import listed
+
     found = {dist for group in (SHIM_GROUP, MATRIX_GROUP) for dist, _ in entry_points(group)}
+    absent = [name for name in dict.fromkeys(names) if name not in found]
+    if not absent:
+        return []
+    which = f"names {listed(absent)}, but no distribution of that name declares" if len(absent) == 1 else (
+        f"names {len(absent)} distributions, {listed(absent)}, that declare no"
+    )
     return [
-        f"DEVMAP_SHIMS_PLUGINS names {name!r:.60}, but no distribution of that name declares devmap_shims "
-        "plugins on sys.path at start-up (a path added later, by a .pth file sorted after devmap_shims.pth "
-        "or the user site, is not seen then); call devmap_shims.install() from the program instead"
-        for name in names if name not in found
+        f"DEVMAP_SHIMS_PLUGINS {which} devmap_shims plugins on sys.path at start-up (a path added "
+        "later, by a .pth file sorted after devmap_shims.pth or the user site, is not seen then); call "
+        "devmap_shims.install() from the program instead"
     ]
 
 

@@ -41,6 +41,22 @@ def test_unknown_ids_in_variables_list_the_known_ones(variable, monkeypatch):
     ]
 
 
+def test_ten_thousand_unknown_ids_are_one_short_warning_each_place(monkeypatch):
+    ids = [f"id{i}" for i in range(10_000)]
+    monkeypatch.setenv("DEVMAP_SHIMS_DISABLE", ",".join(ids))
+    monkeypatch.setenv("DEVMAP_SHIMS_PLUGINS", ",".join(ids))
+    devmap_shims.install(_auto=True)  # at start-up, where DEVMAP_SHIMS_PLUGINS is read
+    devmap_shims.uninstall()
+    devmap_shims.install(exclude=ids)
+    lines = devmap_shims.status()["warnings"]
+    by_place = {place: [m for m in lines if m.startswith(place)]
+                for place in ("DEVMAP_SHIMS_DISABLE", "install(exclude=...)", "DEVMAP_SHIMS_PLUGINS")}
+    assert all(len(found) == 1 for found in by_place.values()), lines
+    assert all(len(m) < 2000 for m in lines), max(lines, key=len)[:300]
+    assert "10000 unknown shims, 'id0', 'id1', 'id2', 'id3', 'id4' and 9995 more" in by_place["DEVMAP_SHIMS_DISABLE"][0]
+    assert "10000 distributions, 'id0'" in by_place["DEVMAP_SHIMS_PLUGINS"][0]
+
+
 def test_malformed_plugin_row_is_dropped_with_its_name_and_field(fake_stack, caplog):
     bad = fake_row("bad-row", spec="not a specifier")
     good = fake_row("fake-bug")

@@ -64,18 +64,52 @@ def read_config_dict(path_text: str) -> Tuple[Dict[str, Any], Path]:
     return data, path
 
 
+def _is_layer_count(key: str) -> bool:
+    """A key that counts layers: ``num_hidden_layers`` and its aliases, and any ``..._layers``
+    (``decoder_layers``, ``num_encoder_layers``, a sub-config's ``num_hidden_layers``)."""
+    return key in _LAYER_KEYS or key.endswith("_layers")
+
+
 def _check_plausible(data: Dict[str, Any], path: Path) -> None:
     """Refuse, in one line, configs the planner cannot build on the meta device: no layers, more
-    than :data:`MAX_LAYERS`, or sizes no machine has."""
+    than :data:`MAX_LAYERS` (in one count, or over all the sub-configs: ``text_config``,
+    ``vision_config``, an encoder and a decoder), or sizes no machine has."""
     for key in _LAYER_KEYS:
         value = data.get(key)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LAYERS:
             raise UsageError(f"{path}: {key} = {str(value)[:40]} (plan builds models of 1 to {MAX_LAYERS} layers)")
-    for key, value in data.items():
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**40:
-            raise UsageError(f"{path}: {key} = {str(value)[:40]}... is larger than any model dimension")
+    total = 0
+    stack: List[Tuple[str, Dict[str, Any]]] = [("", data)]
+    while stack:  # every sub-config, however nested (json.loads bounds the depth)
+        prefix, config = stack.pop()
+        # one config's layers: its num_hidden_layers (or an alias), or its encoder's and decoder's
+        aliases = parts = 0
+        for key, value in config.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                stack.append((f"{name}.", value))
+            elif isinstance(value, int) and not isinstance(value, bool):
+                if abs(value) > 2**40:
+                    raise UsageError(
+                        f"{path}: {name} = {str(value)[:40]}... is larger than any model dimension"
+                    )
+                if _is_layer_count(str(key)):
+                    if value > MAX_LAYERS:
+                        raise UsageError(
+                            f"{path}: {name} = {value} (plan builds models of 1 to {MAX_LAYERS} layers)"
+                        )
+                    if key in _LAYER_KEYS:
+                        aliases = max(aliases, value)
+                    else:
+                        parts += max(value, 0)
+        total += max(aliases, parts)
+    if total > MAX_LAYERS:
+        raise UsageError(
+            f"{path}: {total} layers over the config and its sub-configs (plan builds models of 1 to "
+            f"{MAX_LAYERS} layers)"
+        )
 
 
 def parse_caps(text: Optional[str]) -> Dict[Any, int]:

@@ -48,6 +48,11 @@ def assert_one_line_usage_error(code, out, err, *phrases):
     ({"num_hidden_layers": 10**6}, "1 to 4096 layers"),
     ({"num_hidden_layers": "many"}, "num_hidden_layers = many"),
     ({"hidden_size": 10**30}, "larger than any model dimension"),
+    # counts the top-level check does not see: an encoder-decoder's, a sub-config's
+    ({"decoder_layers": 10**5}, "decoder_layers = 100000 (plan builds models of 1 to 4096 layers)"),
+    ({"text_config": {"num_hidden_layers": 10**5}}, "text_config.num_hidden_layers = 100000"),
+    ({"encoder_layers": 3000, "decoder_layers": 3000}, "6000 layers over the config and its sub-configs"),
+    ({"vision_config": {"hidden_size": 10**30}}, "vision_config.hidden_size = 1000000"),
 ])
 def test_implausible_configs_are_refused(capsys, tmp_path, changes, phrase):
     assert_one_line_usage_error(*run(capsys, "plan", config(tmp_path, **changes), "--gpus", "2x80GiB"), phrase)

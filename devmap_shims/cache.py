@@ -5,7 +5,8 @@ with another user's ``HOME`` or with a shared ``XDG_CACHE_HOME``. So:
 
 * the folder is ``$XDG_CACHE_HOME/devmap_shims`` when that variable is an absolute path (the XDG
   specification says to ignore a relative one), else ``$HOME/.cache/devmap_shims`` when ``HOME``
-  is absolute; otherwise there is no cache;
+  is absolute; otherwise there is no cache. It is made only where ``HOME`` (or the parent of
+  ``XDG_CACHE_HOME``) exists: ``HOME=/nonexistent`` is never created;
 * reading opens without following a link and without blocking, and takes only a regular file of
   this user no larger than :data:`MAX_BYTES`: a FIFO, ``/dev/zero`` or a huge file is ignored;
 * a file is used only when its header names this format and key, every line is one the caller
@@ -116,9 +117,13 @@ def read(name: str, header: str, accept: Callable[[str], bool]) -> Optional[List
 
 def _safe_folder(folder: str) -> bool:
     """Whether ``folder`` is a real folder of this user that nobody else may write to (made so if
-    it does not exist)."""
+    it does not exist, inside a cache base folder that exists: a ``HOME`` that names no folder,
+    such as ``/nonexistent`` for system users, is never created)."""
     import stat
 
+    base = os.path.dirname(folder)
+    if not os.path.isdir(base) and not os.path.isdir(os.path.dirname(base)):
+        return False
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
         info = os.lstat(folder)

@@ -143,9 +143,19 @@ def test_relative_xdg_cache_home_writes_nothing_in_the_working_directory(fake_tr
     """)
     work = tmp_path / "work"
     work.mkdir()
+    (tmp_path / "home").mkdir()
     env = dict(os.environ, XDG_CACHE_HOME="relative/dir", HOME=str(tmp_path / "home"))
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=work)
     assert proc.returncode == 0, proc.stderr
     assert os.listdir(work) == []
     assert os.listdir(tmp_path / "home" / ".cache" / "devmap_shims")
+
+
+def test_a_home_that_names_no_folder_is_not_created(fake_transformers, tmp_path, monkeypatch):
+    # system users get HOME=/nonexistent; a process of theirs (or root with their environment)
+    # must not make that folder to keep a cache in it
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "nonexistent" / "deep"))
+    assert overrides.generate_overrides(fake_transformers) == EXPECTED
+    assert not (tmp_path / "nonexistent").exists()

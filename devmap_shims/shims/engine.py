@@ -211,8 +211,9 @@ class Engine:
         if use_plugins:
             from devmap_shims.shims import plugins
 
-            rows, row_problems = plugins.plugin_rows(names)
-            shims, shim_problems = plugins.plugin_shims(builtin_ids, [r["id"] for r in rows], names)
+            until = plugins.deadline()
+            rows, row_problems = plugins.plugin_rows(names, until)
+            shims, shim_problems = plugins.plugin_shims(builtin_ids, [r["id"] for r in rows], names, until)
             problems += row_problems + shim_problems + plugins.missing(names)
         rows = rows + [dict(r) for r in self.registered_rows]
         known = set(builtin_ids) | {s.id for s in shims}

@@ -36,6 +36,9 @@ MATRIX_GROUP = "devmap_shims.matrix"
 #: Seconds a plugin's entry point may take to load (and its callable to run) before start-up goes
 #: on without it.
 LOAD_BUDGET = 5.0
+#: Seconds all the entry points together may take at one ``install()``: those not loaded by then
+#: are skipped, each named in a warning (five hanging plugins do not hold start-up for 25 s).
+TOTAL_BUDGET = 10.0
 #: Bytes of a plugin's printed output quoted in the warning (the rest is counted, not kept).
 QUOTED_OUTPUT = 200
 
@@ -198,7 +201,7 @@ def contained(call: Callable[[], Any], budget: float = LOAD_BUDGET) -> Tuple[Any
         if not outcome["late"]:
             restore()
     if outcome["late"]:
-        outcome["error"] = f"still running after {budget:g} s; start-up went on without it"
+        outcome["error"] = f"still running after {budget:.3g} s; start-up went on without it"
     output = None
     if captured.size:
         quoted = " ".join(captured.start.split())
@@ -236,13 +239,40 @@ def _called(ep: Any, want: Callable[[Any], bool]) -> Any:
     return obj() if callable(obj) and want(obj) else obj
 
 
-def plugin_rows(names: Optional[Collection[str]] = None) -> Tuple[List[Dict[str, Any]], List[str]]:
+def deadline() -> float:
+    """When the entry points of an ``install()`` starting now must have loaded (:data:`TOTAL_BUDGET`)."""
+    import time
+
+    return time.monotonic() + TOTAL_BUDGET
+
+
+def _budget(until: Optional[float]) -> float:
+    """What one entry point may take: :data:`LOAD_BUDGET`, or what is left before ``until``."""
+    if until is None:
+        return LOAD_BUDGET
+    import time
+
+    return min(LOAD_BUDGET, until - time.monotonic())
+
+
+def _out_of_time(dist: str, kind: str, ep: Any) -> str:
+    return (f"plugin {dist}: {kind} entry point {ep.name!r} ({ep.value}) not loaded: the plugins used up "
+            f"their {TOTAL_BUDGET:g} s at this install()")
+
+
+def plugin_rows(
+    names: Optional[Collection[str]] = None, until: Optional[float] = None
+) -> Tuple[List[Dict[str, Any]], List[str]]:
     """Matrix rows from ``devmap_shims.matrix`` entry points (ids prefixed), from the distributions
-    in ``names`` (None: all)."""
+    in ``names`` (None: all), loaded before ``until`` (:func:`deadline`; None: no overall limit)."""
     rows: List[Dict[str, Any]] = []
     problems: List[str] = []
     for dist, ep in entry_points(MATRIX_GROUP):
         if not _wanted(dist, names):
+            continue
+        budget = _budget(until)
+        if budget <= 0:
+            problems.append(_out_of_time(dist, "matrix", ep))
             continue
 
         def load(dist: str = dist, ep: Any = ep) -> List[Dict[str, Any]]:
@@ -257,7 +287,7 @@ def plugin_rows(names: Optional[Collection[str]] = None) -> Tuple[List[Dict[str,
                 loaded.append(row)
             return loaded
 
-        loaded, error, output = contained(load)
+        loaded, error, output = contained(load, budget)
         if output:
             problems.append(f"plugin {dist}: matrix entry point {ep.name!r} {output}")
         if error is not None:
@@ -281,15 +311,22 @@ def _read_toml_rows(path: str) -> List[Dict[str, Any]]:
 
 
 def plugin_shims(
-    builtin_ids: List[str], plugin_row_ids: List[str], names: Optional[Collection[str]] = None
+    builtin_ids: List[str],
+    plugin_row_ids: List[str],
+    names: Optional[Collection[str]] = None,
+    until: Optional[float] = None,
 ) -> Tuple[List[Shim], List[str]]:
     """Shims from ``devmap_shims.shims`` entry points, ids (and their own row ids) prefixed, from the
-    distributions in ``names`` (None: all)."""
+    distributions in ``names`` (None: all), loaded before ``until`` (as :func:`plugin_rows`)."""
     shims: List[Shim] = []
     problems: List[str] = []
     seen = set(builtin_ids)
     for dist, ep in entry_points(SHIM_GROUP):
         if not _wanted(dist, names):
+            continue
+        budget = _budget(until)
+        if budget <= 0:
+            problems.append(_out_of_time(dist, "shim", ep))
             continue
 
         def load(dist: str = dist, ep: Any = ep) -> Tuple[List[Tuple[str, Shim]], List[str]]:
@@ -313,7 +350,7 @@ def plugin_shims(
                 found.append((own_id, plain))
             return found, wrong
 
-        loaded, error, output = contained(load)
+        loaded, error, output = contained(load, budget)
         if output:
             problems.append(f"plugin {dist}: shim entry point {ep.name!r} {output}")
         if error is not None:

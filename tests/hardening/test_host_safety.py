@@ -43,6 +43,8 @@ def _exits():
 
 
 def shims():
+    if MODE == "slow-both":
+        time.sleep(float(os.environ["EVIL_SLEEP"]))
     if MODE == "gen-hang":
         return _forever()
     if MODE == "late":
@@ -66,6 +68,8 @@ def shims():
 
 
 def rows():
+    if MODE == "slow-both":
+        time.sleep(float(os.environ["EVIL_SLEEP"]))
     if MODE == "rows-exit":
         raise SystemExit(5)
     if MODE == "gen-exit":
@@ -176,6 +180,34 @@ def test_a_hanging_plugin_costs_its_budget_once_and_is_named(evil):
     assert proc.returncode == 0 and "ALIVE True" in proc.stdout, proc.stderr[-2000:]
     assert proc.seconds < plugins.LOAD_BUDGET * 2 + 20
     assert f"still running after {plugins.LOAD_BUDGET:g} s" in proc.stderr and "evil-plugin" in proc.stderr
+
+
+def test_all_plugins_together_get_one_overall_budget(evil, tmp_path, monkeypatch):
+    # two entry points that each take longer than the whole budget: the first runs out its share,
+    # the second is not started, and install() returns in about the overall budget
+    import time
+
+    import devmap_shims
+
+    evil("pass")  # writes the plugin distribution
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("EVIL_MODE", "slow-both")
+    monkeypatch.setenv("EVIL_SLEEP", "3")  # the loader threads end soon after the test
+    monkeypatch.setattr(plugins, "LOAD_BUDGET", 1.0)
+    monkeypatch.setattr(plugins, "TOTAL_BUDGET", 1.0)
+    start = time.monotonic()
+    try:
+        assert devmap_shims.install()
+        seconds = time.monotonic() - start
+        warnings = devmap_shims.status()["warnings"]
+    finally:
+        from devmap_shims.shims.engine import ENGINE
+
+        ENGINE.reset()
+    assert seconds < 2.5, seconds
+    assert any("matrix entry point 'evil'" in w and "still running after" in w for w in warnings), warnings
+    assert any("shim entry point 'evil'" in w and "the plugins used up their 1 s at this install()" in w
+               for w in warnings), warnings
 
 
 def test_what_a_plugin_prints_stays_out_of_the_hosts_streams(evil):

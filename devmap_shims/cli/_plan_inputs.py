@@ -65,9 +65,9 @@ def read_config_dict(path_text: str) -> Tuple[Dict[str, Any], Path]:
 
 
 def _is_layer_count(key: str) -> bool:
-    """A key that counts layers: ``num_hidden_layers`` and its aliases, and any ``..._layers``
-    (``decoder_layers``, ``num_encoder_layers``, a sub-config's ``num_hidden_layers``)."""
-    return key in _LAYER_KEYS or key.endswith("_layers")
+    """A key that counts layers or blocks: ``num_hidden_layers`` and its aliases, any ``..._layers``
+    (``decoder_layers``, ``num_decoder_layers``), ``num_blocks``, ``depth`` (vision towers)."""
+    return key in _LAYER_KEYS or key.endswith(("_layers", "_blocks")) or key == "depth" or key.endswith("_depth")
 
 
 def _check_plausible(data: Dict[str, Any], path: Path) -> None:
@@ -84,12 +84,16 @@ def _check_plausible(data: Dict[str, Any], path: Path) -> None:
     stack: List[Tuple[str, Dict[str, Any]]] = [("", data)]
     while stack:  # every sub-config, however nested (json.loads bounds the depth)
         prefix, config = stack.pop()
-        # one config's layers: its num_hidden_layers (or an alias), or its encoder's and decoder's
+        # one config's layers: its num_hidden_layers (or the largest alias), and every other count
+        # (an encoder's and a decoder's, T5's num_decoder_layers); a count given twice is counted
+        # twice, which only matters far above any real model
         aliases = parts = 0
         for key, value in config.items():
             name = f"{prefix}{key}"
             if isinstance(value, dict):
                 stack.append((f"{name}.", value))
+            elif isinstance(value, list) and str(key).endswith("depths"):  # Swin's blocks per stage
+                parts += sum(v for v in value if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 2**40)
             elif isinstance(value, int) and not isinstance(value, bool):
                 if abs(value) > 2**40:
                     raise UsageError(
@@ -104,7 +108,7 @@ def _check_plausible(data: Dict[str, Any], path: Path) -> None:
                         aliases = max(aliases, value)
                     else:
                         parts += max(value, 0)
-        total += max(aliases, parts)
+        total += aliases + parts
     if total > MAX_LAYERS:
         raise UsageError(
             f"{path}: {total} layers over the config and its sub-configs (plan builds models of 1 to "

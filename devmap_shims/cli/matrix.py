@@ -42,10 +42,9 @@ def known(with_plugins: bool = True) -> Tuple[Any, List[Any]]:
     shims, problems = catalog.builtin_shims()
     rows: List[Dict[str, Any]] = []
     if with_plugins and _plugins_wanted():
-        rows, row_problems = plugins.plugin_rows()
-        more, shim_problems = plugins.plugin_shims([s.id for s in shims], [r["id"] for r in rows])
+        rows, more, plugin_problems = plugins.load_all([s.id for s in shims])
         shims += more
-        problems += row_problems + shim_problems
+        problems += plugin_problems
     matrix, row_problems = load_matrix_skipping_bad_rows(rows)
     for problem in problems + row_problems:
         print(f"devmap-shims: warning: {problem}", file=sys.stderr)

@@ -99,24 +99,25 @@ class Engine:
                 changes = self._changes_from_start_up(requested, load_plugins)
                 if not changes:
                     return True
+            builtin_ids = list(catalog.builtin_ids())
+            others, rows, problems = self._gather(load_plugins, builtin_ids, names)
+            known = builtin_ids + [s.id for s in others]
+            id_problems = config.unknown_id_problems(settings, known) + _id_problems(known, requested)
+            if id_problems and strict_mode:  # strict: a shim id that names nothing is an error
+                # (raised before anything changes: a start-up install this call would replace stays)
+                raise ValueError("; ".join(_refused(p) for p in id_problems))
+            if self.installed:
                 logger().info(
                     "install() from the program replaces the start-up install (DEVMAP_SHIMS=1): %s",
                     "; ".join(changes),
                 )
                 self.uninstall()
-            builtin_ids = list(catalog.builtin_ids())
-            others, rows, problems = self._gather(load_plugins, builtin_ids, names)
-            known = builtin_ids + [s.id for s in others]
-            id_problems = config.unknown_id_problems(settings, known)
             self._selection = {
                 "only": None if requested["only"] is None else set(requested["only"]),
                 "exclude": set(requested["exclude"]) | set(settings.disable),
                 "force": set(requested["force"]) | set(settings.force),
                 "disable_all": settings.disable_all,
             }
-            id_problems += _id_problems(known, requested)
-            if id_problems and strict_mode:  # strict: a shim id that names nothing is an error
-                raise ValueError("; ".join(p.replace(" Ignoring it.", "") for p in id_problems))
             for problem in problems + id_problems:
                 registry.warn(problem)
             registry.strict = strict_mode
@@ -211,10 +212,8 @@ class Engine:
         if use_plugins:
             from devmap_shims.shims import plugins
 
-            until = plugins.deadline()
-            rows, row_problems = plugins.plugin_rows(names, until)
-            shims, shim_problems = plugins.plugin_shims(builtin_ids, [r["id"] for r in rows], names, until)
-            problems += row_problems + shim_problems + plugins.missing(names)
+            rows, shims, problems = plugins.load_all(builtin_ids, names)
+            problems += plugins.missing(names)
         rows = rows + [dict(r) for r in self.registered_rows]
         known = set(builtin_ids) | {s.id for s in shims}
         shims.extend(s for s in self.registered if s.id not in known)
@@ -282,6 +281,14 @@ class Engine:
 
         self.load_builtins()
         return collect(self)
+
+
+def _refused(problem: str) -> str:
+    """An unknown-id warning as strict mode's error says it: nothing is being ignored."""
+    for tail in (" Ignoring it.", " Ignoring them."):
+        if problem.endswith(tail):
+            return problem[: -len(tail)]
+    return problem
 
 
 def _id_problems(known: List[str], requested: Dict[str, Any]) -> List[str]:

@@ -123,23 +123,39 @@ class _Captured:
 
 class _Routed:
     """Stands in for ``sys.stdout`` / ``sys.stderr`` while a plugin loads: what the loader thread
-    writes goes to the capture, what every other thread writes to the host's stream, which
-    answers everything else (``fileno``, ``encoding``, ``buffer`` ...)."""
+    writes (``write``, ``writelines``; it sees the capture's attributes only, no ``buffer``) goes to
+    the capture, what every other thread writes to the host's stream, which answers everything
+    else (``fileno``, ``encoding``, ``buffer`` ...). Once the loader has ended it passes everything
+    through, wherever it is still held (a logging handler made meanwhile, a stream put on top)."""
 
-    def __init__(self, host: Any, captured: _Captured, thread: int) -> None:
+    def __init__(self, host: Any, captured: _Captured, thread: Optional[int]) -> None:
         self._host = host
         self._captured = captured
-        self._thread = thread
+        self._thread = thread  # None once the loader has ended
 
-    def write(self, text: str) -> int:
+    def _loader(self) -> bool:
         import threading
 
-        if threading.get_ident() == self._thread:
+        return self._thread is not None and threading.get_ident() == self._thread
+
+    def write(self, text: str) -> int:
+        if self._loader():
             return self._captured.write(text)
         return self._host.write(text)
 
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._host, name)
+        return getattr(self._captured if self._loader() else self._host, name)
+
+
+def _unrouted(stream: Any) -> Any:
+    """``stream``, or the host stream behind it when it is a :class:`_Routed` whose loader ended."""
+    while isinstance(stream, _Routed) and stream._thread is None:
+        stream = stream._host
+    return stream
 
 
 def contained(call: Callable[[], Any], budget: float = LOAD_BUDGET) -> Tuple[Any, Optional[str], Optional[str]]:
@@ -148,28 +164,26 @@ def contained(call: Callable[[], Any], budget: float = LOAD_BUDGET) -> Tuple[Any
     budget), ``output`` quotes what it printed (None when nothing).
 
     Only the loader thread's prints are captured: the host's other threads keep writing to their
-    streams meanwhile. A loader still running after its budget keeps its prints captured until it
-    ends (the streams go back to the host's then), so a late plugin never writes into the host's
-    output."""
+    streams meanwhile (threads the plugin starts write to them too). A loader still running after
+    its budget keeps its prints captured until it ends, and the streams go back to the host's
+    then, so a late plugin does not print into the host's output. A stream that is None (no
+    console) stays None."""
     import sys
     import threading
 
     outcome: Dict[str, Any] = {}
     captured = _Captured()
-    hosts = sys.stdout, sys.stderr
+    names = ("stdout", "stderr")
+    hosts = [getattr(sys, name) for name in names]
     routed: List[Any] = []
     lock = threading.Lock()
 
     def restore() -> None:  # once, by whichever of the caller and the loader is last
         with lock:
-            if not routed:
-                return
-            out, err = routed
+            for name, router, host in zip(names, routed, hosts):
+                if router is not None and getattr(sys, name) is router:
+                    setattr(sys, name, _unrouted(host))
             del routed[:]
-            if sys.stdout is out:
-                sys.stdout = hosts[0]
-            if sys.stderr is err:
-                sys.stderr = hosts[1]
 
     routing = threading.Event()
 
@@ -181,6 +195,9 @@ def contained(call: Callable[[], Any], budget: float = LOAD_BUDGET) -> Tuple[Any
             outcome["error"] = f"{type(exc).__name__}: {exc}"
         finally:
             with lock:
+                for router in routed:
+                    if router is not None:
+                        router._thread = None  # from now on it passes everything to the host
                 outcome["done"] = True
                 late = outcome.get("late")
             if late:
@@ -190,8 +207,10 @@ def contained(call: Callable[[], Any], budget: float = LOAD_BUDGET) -> Tuple[Any
     try:
         worker.start()
         with lock:
-            routed[:] = [_Routed(hosts[0], captured, worker.ident), _Routed(hosts[1], captured, worker.ident)]
-            sys.stdout, sys.stderr = routed
+            routed[:] = [None if host is None else _Routed(host, captured, worker.ident) for host in hosts]
+            for name, router in zip(names, routed):
+                if router is not None:
+                    setattr(sys, name, router)
         routing.set()
         worker.join(budget)
     finally:
@@ -257,7 +276,26 @@ def _budget(until: Optional[float]) -> float:
 
 def _out_of_time(dist: str, kind: str, ep: Any) -> str:
     return (f"plugin {dist}: {kind} entry point {ep.name!r} ({ep.value}) not loaded: the plugins used up "
-            f"their {TOTAL_BUDGET:g} s at this install()")
+            f"their {TOTAL_BUDGET:g} s together")
+
+
+def _error_within(error: Optional[str], budget: float) -> Optional[str]:
+    """``error``, said of the overall budget where that, not :data:`LOAD_BUDGET`, was what ran out."""
+    if error and error.startswith("still running") and budget < LOAD_BUDGET:
+        return (f"still running when the plugins' {TOTAL_BUDGET:g} s together ran out ({budget:.3g} s were "
+                "left for it); start-up went on without it")
+    return error
+
+
+def load_all(
+    builtin_ids: List[str], names: Optional[Collection[str]] = None
+) -> Tuple[List[Dict[str, Any]], List[Shim], List[str]]:
+    """The matrix rows and shims of every plugin of the distributions in ``names`` (None: all),
+    loaded within one :data:`TOTAL_BUDGET`, and the problems met."""
+    until = deadline()
+    rows, row_problems = plugin_rows(names, until)
+    shims, shim_problems = plugin_shims(builtin_ids, [r["id"] for r in rows], names, until)
+    return rows, shims, row_problems + shim_problems
 
 
 def plugin_rows(
@@ -288,6 +326,7 @@ def plugin_rows(
             return loaded
 
         loaded, error, output = contained(load, budget)
+        error = _error_within(error, budget)
         if output:
             problems.append(f"plugin {dist}: matrix entry point {ep.name!r} {output}")
         if error is not None:
@@ -351,6 +390,7 @@ def plugin_shims(
             return found, wrong
 
         loaded, error, output = contained(load, budget)
+        error = _error_within(error, budget)
         if output:
             problems.append(f"plugin {dist}: shim entry point {ep.name!r} {output}")
         if error is not None:

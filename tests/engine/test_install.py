@@ -174,6 +174,22 @@ def test_the_programs_install_replaces_the_start_up_install(fake_stack, caplog, 
     assert "exclude=('fake-fix',)" in caplog.text
 
 
+def test_a_replacing_install_that_strict_mode_refuses_keeps_the_start_up_install(fake_stack, monkeypatch):
+    from devmap_shims.shims import plugins
+
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [])
+    monkeypatch.setenv("DEVMAP_SHIMS_DISABLE", "nope-1,nope-2")
+    register_fake()
+    devmap_shims.install(_auto=True)
+    import fakelib.core
+
+    with pytest.raises(ValueError) as refused:
+        devmap_shims.install(exclude=["no-such-shim"], strict=True)
+    assert "no-such-shim" in str(refused.value) and "Ignoring" not in str(refused.value)
+    assert devmap_shims.is_installed() and devmap_shims.status()["auto_enabled"]
+    assert fakelib.core.compute(3) == 7  # the start-up install still repairs
+
+
 def test_the_programs_plain_install_keeps_the_start_up_install(fake_stack, caplog, monkeypatch):
     from devmap_shims.shims import plugins
 

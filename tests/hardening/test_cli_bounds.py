@@ -51,8 +51,12 @@ def assert_one_line_usage_error(code, out, err, *phrases):
     # counts the top-level check does not see: an encoder-decoder's, a sub-config's
     ({"decoder_layers": 10**5}, "decoder_layers = 100000 (plan builds models of 1 to 4096 layers)"),
     ({"text_config": {"num_hidden_layers": 10**5}}, "text_config.num_hidden_layers = 100000"),
-    ({"encoder_layers": 3000, "decoder_layers": 3000}, "6000 layers over the config and its sub-configs"),
+    ({"encoder_layers": 3000, "decoder_layers": 3000}, "6032 layers over the config and its sub-configs"),
     ({"vision_config": {"hidden_size": 10**30}}, "vision_config.hidden_size = 1000000"),
+    ({"audio_config": {"num_blocks": 8000}}, "audio_config.num_blocks = 8000"),
+    ({"vision_config": {"depth": 5000}}, "vision_config.depth = 5000"),
+    ({"num_layers": 3000, "num_decoder_layers": 3000}, "6000 layers over the config"),  # T5's two stacks
+    ({"vision_config": {"depths": [2000, 2000, 200]}}, "4232 layers over the config"),  # Swin's stages
 ])
 def test_implausible_configs_are_refused(capsys, tmp_path, changes, phrase):
     assert_one_line_usage_error(*run(capsys, "plan", config(tmp_path, **changes), "--gpus", "2x80GiB"), phrase)
@@ -115,7 +119,7 @@ def test_matrix_and_explain_survive_a_malformed_plugin_row(capsys, monkeypatch):
                 last_checked="2026-01-01", symptom="s", root_cause="r", upstream=["a/b#1"], verification=["I"],
                 workaround="w", source="acme")
     bad = dict(good, id="acme:bad", affected={"x": ">>1"})
-    monkeypatch.setattr(plugins, "plugin_rows", lambda names=None: ([good, bad], []))
+    monkeypatch.setattr(plugins, "plugin_rows", lambda *a, **k: ([good, bad], []))
     monkeypatch.setattr(plugins, "plugin_shims", lambda *a, **k: ([], []))
     code, out, err = run(capsys, "matrix")
     assert code == 0 and "acme:good" in out and "acme:bad" not in out
@@ -129,6 +133,6 @@ def test_no_plugins_is_understood_in_any_spelling(capsys, monkeypatch, value):
     from devmap_shims.shims import plugins
 
     monkeypatch.setenv("DEVMAP_SHIMS_NO_PLUGINS", value)
-    monkeypatch.setattr(plugins, "plugin_rows", lambda names=None: pytest.fail("plugins were loaded"))
+    monkeypatch.setattr(plugins, "plugin_rows", lambda *a, **k: pytest.fail("plugins were loaded"))
     code, _, _ = run(capsys, "matrix")
     assert code == 0

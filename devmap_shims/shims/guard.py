@@ -44,12 +44,39 @@ def guarded_call(registry: Registry, entry: TargetEntry, repair: Callable[..., A
                 raise call.raised from None
             if isinstance(exc, (KeyboardInterrupt, SystemExit, ShimError)):
                 raise  # ShimError: a repair refusing on purpose (strict mode), not a broken repair
+            if getattr(exc, LIBRARY_ERROR, False) or _out_of_memory(exc):
+                raise  # the library's own answer to the user's call (library_call), or no memory left
             _repair_failed(registry, entry, exc)
             if call.called:
                 return call.result
             return wrapped(*args, **kwargs)
 
     return guarded
+
+
+#: Set on an exception raised by library code a repair ran for the user (:func:`library_call`).
+LIBRARY_ERROR = "_devmap_shims_library_error"
+
+
+def library_call(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``func(*args, **kwargs)``, where ``func`` is library code a repair runs in place of the
+    original, with the user's arguments (torch's own ``Module.cuda`` for a model the library
+    would not move): what it raises is the user's error, as from a fixed release, and reaches
+    the caller as it is; the shim stays on."""
+    try:
+        return func(*args, **kwargs)
+    except Exception as exc:
+        try:
+            setattr(exc, LIBRARY_ERROR, True)
+        except AttributeError:  # an exception type with __slots__: taken as the repair's own
+            pass
+        raise
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """``MemoryError``, or torch's ``OutOfMemoryError`` (for a GPU): the machine's limit, met by the
+    work the user asked for, not a broken repair; it goes to the caller and the shim stays on."""
+    return isinstance(exc, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__)
 
 
 def _repair_failed(registry: Registry, entry: TargetEntry, exc: BaseException) -> None:

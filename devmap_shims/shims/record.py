@@ -91,10 +91,18 @@ class Target(_Record):
         expect_params: Tuple[str, ...] = (),
         wrapper: WrapperRef | None = None,
     ) -> None:
+        for field, value in (("module", module), ("qualname", qualname)):
+            if not isinstance(value, str) or not value:
+                raise TypeError(f"Target {field} must be a non-empty string, not {value!r:.60}")
+        if isinstance(expect_params, str):  # one name, not its letters
+            expect_params = (expect_params,)
+        when = dict(when or {})
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in when.items()):
+            raise TypeError(f"Target when must map distribution names to specifiers, not {when!r:.80}")
         self._set(
             module=module,
             qualname=qualname,
-            when=dict(when or {}),
+            when=when,
             expect_params=tuple(expect_params),
             wrapper=wrapper,
         )
@@ -162,10 +170,16 @@ class Shim(_Record):
     ) -> None:
         if isinstance(fixes, str):
             fixes = (fixes,)
+        if not isinstance(id, str) or not id:
+            raise TypeError(f"Shim id must be a non-empty string, not {id!r:.60}")
+        targets = tuple(targets)
+        wrong = [t for t in targets if not isinstance(t, Target)]
+        if wrong:  # caught here, not at every later install()
+            raise TypeError(f"shim {id!r}: targets must be devmap_shims.Target objects, not {wrong[0]!r:.80}")
         self._set(
             id=id,
             fixes=tuple(fixes),
-            targets=tuple(targets),
+            targets=targets,
             wrapper=wrapper,
             compile_reachable=bool(compile_reachable),
             summary=summary,

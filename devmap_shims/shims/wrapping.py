@@ -46,7 +46,13 @@ def devmap_wrapper_type() -> type:
                 return self
 
             def __deepcopy__(self, memo: Any) -> Any:
-                return self  # functions and methods are copied as themselves
+                # As a bound method deep-copies: bound to the copy of its instance (a
+                # functools.partial(model.generate) copied with the model calls the copy).
+                if self._self_instance is None or isinstance(self._self_instance, type):
+                    return self
+                import copy
+
+                return getattr(copy.deepcopy(self._self_instance, memo), self.__wrapped__.__name__)
 
         class DevmapFunctionWrapper(wrapt.FunctionWrapper):  # type: ignore[misc, name-defined]
             """A devmap_shims layer. Recognised by ``type(x) is DevmapFunctionWrapper``."""

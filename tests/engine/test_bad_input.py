@@ -57,6 +57,18 @@ def test_ten_thousand_unknown_ids_are_one_short_warning_each_place(monkeypatch):
     assert "10000 distributions, 'id0'" in by_place["DEVMAP_SHIMS_PLUGINS"][0]
 
 
+def test_a_malformed_shim_is_refused_where_it_is_declared_not_at_every_install():
+    wrapper = lambda w, i, a, k: w(*a, **k)  # noqa: E731
+    with pytest.raises(TypeError, match="targets must be devmap_shims.Target objects"):
+        Shim("my-fix", ("my-bug",), ("accelerate.utils.modeling:get_max_memory",), wrapper)
+    with pytest.raises(TypeError, match="Target module must be a non-empty string"):
+        Target(None, None)
+    with pytest.raises(TypeError, match="Shim id must be a non-empty string"):
+        Shim("", ("my-bug",), (), wrapper)
+    assert Target("m", "f", expect_params="max_memory").expect_params == ("max_memory",)
+    assert devmap_shims.install() and devmap_shims.is_installed()
+
+
 def test_malformed_plugin_row_is_dropped_with_its_name_and_field(fake_stack, caplog):
     bad = fake_row("bad-row", spec="not a specifier")
     good = fake_row("fake-bug")

@@ -205,6 +205,47 @@ def test_the_programs_plain_install_keeps_the_start_up_install(fake_stack, caplo
     assert devmap_shims.status()["auto_enabled"] and "replaces" not in caplog.text
 
 
+def test_a_wrapped_method_deep_copied_with_its_instance_is_bound_to_the_copy(fake_stack):
+    import copy
+    import functools
+
+    register_fake(target="Thing.to", wrapper=lambda w, i, a, k: w(*a, **k))
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    thing = fakelib.core.Thing("cuda:0")
+    copied = copy.deepcopy({"thing": thing, "move": functools.partial(thing.to, "cuda:1"), "to": thing.to})
+    assert copied["thing"] is not thing
+    assert copied["move"].func.__self__ is copied["thing"] and copied["to"].__self__ is copied["thing"]
+    assert copied["move"]().device == "cuda:1"
+    unbound = fakelib.core.Thing.to
+    assert copy.deepcopy(unbound) is unbound  # read from the class: copied as itself
+
+
+def test_a_repairs_library_call_and_an_out_of_memory_error_are_the_callers(fake_stack):
+    from devmap_shims.shims import library_call
+
+    class OutOfMemoryError(RuntimeError):  # torch.OutOfMemoryError, by name
+        pass
+
+    failures = {"library": lambda: library_call(int, "not a number"), "memory": lambda: (_ for _ in ()).throw(
+        OutOfMemoryError("CUDA out of memory"))}
+
+    def repair(wrapped, instance, args, kwargs):
+        return failures[args[0]]()
+
+    register_fake(wrapper=repair)
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    with pytest.raises(ValueError, match="invalid literal"):
+        fakelib.core.compute("library")
+    with pytest.raises(OutOfMemoryError):
+        fakelib.core.compute("memory")
+    assert shim_status()["state"] == "active" and shim_status()["call_failures"] == 0
+    assert devmap_shims.status()["warnings"] == []
+
+
 def test_install_uninstall_install(fake_stack):
     register_fake()
     import fakelib.core

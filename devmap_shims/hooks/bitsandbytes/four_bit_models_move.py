@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 from devmap_shims.devices.bnb_params import bnb_kinds
 from devmap_shims.devices.quant_state import align_state, quant_state_of, state_tensors
 from devmap_shims.scenarios import BugObserved, import_before_simulation, scenario
-from devmap_shims.shims import LazyLogger, Shim, Target
+from devmap_shims.shims import LazyLogger, Shim, Target, library_call
 
 BUG_ID = "bnb-4bit-to-requires-0.43.2"
 CUDA_BUG = "transformers-4bit-cuda-noop"
@@ -103,7 +103,9 @@ def _module_move(method: str, model: Any, args: Tuple[Any, ...], kwargs: Dict[st
     base = sys.modules["transformers.modeling_utils"].PreTrainedModel
     for param, _state in quant_states(model):
         param.__dict__["bnb_quantized"] = True  # packed data: the move must not quantize it again
-    result = getattr(super(base, model), method)(*args, **kwargs)
+    # torch's own move, as transformers' fixed releases call it: its errors (no memory left, an
+    # argument torch's method does not take) are the user's, not the repair's
+    result = library_call(getattr(super(base, model), method), *args, **kwargs)
     strays = 0
     for param, state in quant_states(model):  # read again: a move may have replaced the parameters
         param.__dict__["bnb_quantized"] = True

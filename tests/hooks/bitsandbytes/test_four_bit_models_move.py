@@ -165,3 +165,25 @@ def test_a_cuda_call_that_returned_none_moves_the_model_and_returns_it(no_shim):
     assert model.cuda(1) is model and same_as_loaded_on(model, 1) == []
     torch.cuda.set_device(0)
     assert model.cuda() is model and same_as_loaded_on(model, 0) == []  # no index: the current GPU
+
+
+@pytest.mark.skipif(not CUDA_NOOP, reason="transformers' .cuda() moves 4-bit models (or refuses them) here")
+def test_a_move_torch_refuses_raises_to_the_caller_and_the_shim_stays_on(no_shim):
+    # the repair's move is torch's own, as on transformers' fixed releases: a GPU that cannot hold
+    # the model, or an argument torch's .cuda() does not take, is the caller's error, raised as such,
+    # not a broken repair answered with None and a shim switched off
+    from devmap_shims.testing import simulated_gpus
+
+    with simulated_gpus(2, memory="2GiB"):
+        size = sum(p.numel() * p.element_size() for p in load(0).parameters())
+    devmap_shims.install(only=[hook.SHIM.id])
+    with simulated_gpus(2, memory=["2GiB", size // 2]):  # cuda:1 holds half of the model
+        model = load(0)
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            model.cuda(1)
+        with pytest.raises(TypeError, match="non_blocking"):
+            load(0).cuda(0, non_blocking=True)
+        state = next(s for s in devmap_shims.status()["shims"] if s["id"] == hook.SHIM.id)
+        assert state["state"] == "active" and state["call_failures"] == 0
+        model = load(0)
+        assert model.cuda(0) is model and devices(model) == {"cuda:0"}  # and it still repairs

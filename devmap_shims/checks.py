@@ -48,10 +48,15 @@ def check_devices(obj: Any) -> List[Record]:
     return records
 
 
-def _components(obj: Any, torch: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
+def _components(
+    obj: Any, torch: Any, prefix: str = "", _inside: Tuple[int, ...] = ()
+) -> Iterator[Tuple[str, Any]]:
     if isinstance(obj, (torch.nn.Module, torch.Tensor)):
         yield prefix, obj
         return
+    if id(obj) in _inside:  # a dict or list that holds itself: looked at once
+        return
+    _inside = _inside + (id(obj),)
     components = getattr(obj, "components", None)
     if isinstance(components, dict):  # a diffusers pipeline
         for name, value in components.items():
@@ -60,11 +65,11 @@ def _components(obj: Any, torch: Any, prefix: str = "") -> Iterator[Tuple[str, A
         return
     if isinstance(obj, dict):
         for name, value in obj.items():
-            yield from _components(value, torch, _join(prefix, str(name)))
+            yield from _components(value, torch, _join(prefix, str(name)), _inside)
         return
     if isinstance(obj, (list, tuple)):
         for index, value in enumerate(obj):
-            yield from _components(value, torch, _join(prefix, str(index)))
+            yield from _components(value, torch, _join(prefix, str(index)), _inside)
         return
     raise TypeError(
         f"check_devices() takes a torch module, a pipeline with .components, a dict or list of them, or a "
@@ -124,6 +129,7 @@ def _map_device(device_map: Any, name: str, torch: Any) -> Optional[Any]:
     best = None
     best_len = -1
     for key, device in device_map.items():
+        key = str(key)  # a hand-made map may key a module by a number ({0: 0, 1: 1} for a Sequential)
         if key == "" or name == key or name.startswith(key + "."):
             if len(key) > best_len:
                 best, best_len = device, len(key)

@@ -74,6 +74,9 @@ def test_pipelines_dicts_and_lists_prefix_component_names():
     assert names(check_devices(pipe)) == ["unet.0.bias"]
     assert names(check_devices({"a": text, "b": unet})) == ["b.0.bias"]
     assert names(check_devices([text, unet])) == ["1.0.bias"]
+    holder = {"a": text, "b": unet}
+    holder["self"] = holder  # a dict that holds itself is looked at once, not until RecursionError
+    assert names(check_devices(holder)) == ["b.0.bias"]
 
 
 def test_unsupported_objects_are_refused_with_a_message():
@@ -86,6 +89,8 @@ def test_split_device_maps_are_trusted_one_device_maps_are_not():
     net = model("cuda:0")
     net[2].to("cuda:1")
     net.hf_device_map = {"0": 0, "1": 0, "2": 1}  # a split map: 2 belongs on cuda:1
+    assert check_devices(net) == []
+    net.hf_device_map = {0: 0, 1: 0, 2: 1}  # a hand-made map keyed by numbers says the same
     assert check_devices(net) == []
     net.hf_device_map = {"": "cuda:0"}  # the load device, stale after .to(): the majority decides
     net.to("cuda:1")

@@ -110,6 +110,10 @@ def satisfies(versions: Mapping[str, str | None], requirements: Mapping[str, str
         try:
             ok = version_in(version, spec)
         except ValueError:
+            try:
+                check_spec(spec)
+            except ValueError:
+                return False, f"{spec!r:.60} is not a version specifier (for {dist})"
             return False, f"{dist} {version} is not a comparable version"
         if not ok:
             return False, f"{dist} {version} is outside {spec}"

@@ -63,6 +63,11 @@ def test_satisfies_names_the_failing_requirement():
     assert not ok and why == "torch is not installed"
     ok, why = satisfies(versions, {"diffusers": ">=0.31,<0.33"})
     assert ok and "diffusers 0.31.0" in why
+    # a malformed specifier (a Target's when=...) is blamed, not the installed version
+    ok, why = satisfies(versions, {"diffusers": ">>0.31"})
+    assert not ok and why == "'>>0.31' is not a version specifier (for diffusers)"
+    ok, why = satisfies({"diffusers": "not-a-version"}, {"diffusers": ">=0.31"})
+    assert not ok and why == "diffusers not-a-version is not a comparable version"
 
 
 def test_installed_version_reads_metadata_without_importing():

@@ -153,15 +153,17 @@ class Engine:
             f"{key}={requested[key]!r}" for key in ("only", "exclude", "force", "strict")
             if requested[key] != before.get(key)
         ]
-        loaded = self.options.get("plugins_loaded", ())
-        if load_plugins != (loaded != ()) or (load_plugins and loaded is not None):
+        loaded = self.options.get("plugins_loaded", ())  # None: all; (): none; else those named
+        loads = None if load_plugins else ()
+        if loads != loaded:  # the distributions found decide whether that loads anything else
             from devmap_shims.shims import plugins
 
-            groups = (plugins.SHIM_GROUP, plugins.MATRIX_GROUP)
-            found = {dist for group in groups for dist, _ in plugins.entry_points(group)}
-            if load_plugins and found - set(loaded or ()):
-                changes.append(f"plugins of {', '.join(sorted(found - set(loaded or ())))} loaded")
-            elif not load_plugins and found & (found if loaded is None else set(loaded)):
+            found = plugins.distributions()
+            before = found if loaded is None else found & set(loaded)
+            after = found if loads is None else set()
+            if after - before:
+                changes.append(f"plugins of {', '.join(sorted(after - before))} loaded")
+            elif before - after:
                 changes.append("no plugins")
         return changes
 

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
-    from typing import Any, Callable, Collection, Dict, List, Optional, Tuple
+    from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Set, Tuple
+
+import functools
 
 from devmap_shims.shims.record import Shim
 
@@ -95,6 +97,11 @@ def entry_points(group: str) -> List[Tuple[str, Any]]:
                 seen.add((name, ep.name))
                 found.append((str(name), ep))
     return found
+
+
+def distributions() -> Set[str]:
+    """The distributions that declare shims or matrix rows here."""
+    return {dist for group in (SHIM_GROUP, MATRIX_GROUP) for dist, _ in entry_points(group)}
 
 
 def _prefixed(dist: str, ident: str) -> str:
@@ -235,7 +242,7 @@ def missing(names: Optional[Collection[str]]) -> List[str]:
         return []
     from devmap_shims.shims.config import listed
 
-    found = {dist for group in (SHIM_GROUP, MATRIX_GROUP) for dist, _ in entry_points(group)}
+    found = distributions()
     absent = [name for name in dict.fromkeys(names) if name not in found]
     if not absent:
         return []
@@ -298,43 +305,54 @@ def load_all(
     return rows, shims, row_problems + shim_problems
 
 
+def _each_loaded(
+    group: str, kind: str, names: Optional[Collection[str]], until: Optional[float],
+    read: Callable[[str, Any], Any], skipped: str, problems: List[str],
+) -> Iterator[Tuple[str, Any]]:
+    """For each entry point of ``group`` from the distributions in ``names`` (None: all):
+    ``read(dist, ep)``, run :func:`contained` within what is left before ``until``, and
+    ``(dist, what it gave)``; what went wrong is added to ``problems``, ending with ``skipped``."""
+    for dist, ep in entry_points(group):
+        if not _wanted(dist, names):
+            continue
+        budget = _budget(until)
+        if budget <= 0:
+            problems.append(_out_of_time(dist, kind, ep))
+            continue
+        loaded, error, output = contained(functools.partial(read, dist, ep), budget)
+        error = _error_within(error, budget)
+        if output:
+            problems.append(f"plugin {dist}: {kind} entry point {ep.name!r} {output}")
+        if error is not None:
+            problems.append(
+                f"plugin {dist}: {kind} entry point {ep.name!r} ({ep.value}) failed to load ({error}); {skipped}"
+            )
+            continue
+        yield dist, loaded
+
+
 def plugin_rows(
     names: Optional[Collection[str]] = None, until: Optional[float] = None
 ) -> Tuple[List[Dict[str, Any]], List[str]]:
     """Matrix rows from ``devmap_shims.matrix`` entry points (ids prefixed), from the distributions
     in ``names`` (None: all), loaded before ``until`` (:func:`deadline`; None: no overall limit)."""
+
+    def read(dist: str, ep: Any) -> List[Dict[str, Any]]:
+        # all of the plugin's code runs here, in the contained thread: its callable, and the
+        # iterable or the TOML file it gives (a generator that never ends, a FIFO)
+        obj = _called(ep, lambda obj: True)
+        loaded = []
+        for row in _read_toml_rows(obj) if isinstance(obj, str) else obj:
+            row = dict(row)
+            row["id"] = _prefixed(dist, str(row.get("id", "")))
+            row.setdefault("source", f"plugin {dist} ({ep.value})")
+            loaded.append(row)
+        return loaded
+
     rows: List[Dict[str, Any]] = []
     problems: List[str] = []
-    for dist, ep in entry_points(MATRIX_GROUP):
-        if not _wanted(dist, names):
-            continue
-        budget = _budget(until)
-        if budget <= 0:
-            problems.append(_out_of_time(dist, "matrix", ep))
-            continue
-
-        def load(dist: str = dist, ep: Any = ep) -> List[Dict[str, Any]]:
-            # all of the plugin's code runs here, in the contained thread: its callable, and the
-            # iterable or the TOML file it gives (a generator that never ends, a FIFO)
-            obj = _called(ep, lambda obj: True)
-            loaded = []
-            for row in _read_toml_rows(obj) if isinstance(obj, str) else obj:
-                row = dict(row)
-                row["id"] = _prefixed(dist, str(row.get("id", "")))
-                row.setdefault("source", f"plugin {dist} ({ep.value})")
-                loaded.append(row)
-            return loaded
-
-        loaded, error, output = contained(load, budget)
-        error = _error_within(error, budget)
-        if output:
-            problems.append(f"plugin {dist}: matrix entry point {ep.name!r} {output}")
-        if error is not None:
-            problems.append(
-                f"plugin {dist}: matrix entry point {ep.name!r} ({ep.value}) failed to load ({error}); "
-                "its rows are ignored"
-            )
-            continue
+    skipped = "its rows are ignored"
+    for _dist, loaded in _each_loaded(MATRIX_GROUP, "matrix", names, until, read, skipped, problems):
         rows.extend(loaded)
     return rows, problems
 
@@ -357,48 +375,32 @@ def plugin_shims(
 ) -> Tuple[List[Shim], List[str]]:
     """Shims from ``devmap_shims.shims`` entry points, ids (and their own row ids) prefixed, from the
     distributions in ``names`` (None: all), loaded before ``until`` (as :func:`plugin_rows`)."""
+
+    def read(dist: str, ep: Any) -> Tuple[List[Tuple[str, Shim]], List[str]]:
+        # in the contained thread: the plugin's callable, its iterable, and every attribute of
+        # the shims it gives (a property is the plugin's code too); what leaves is plain Shims
+        obj = _called(ep, lambda obj: not isinstance(obj, Shim))
+        found: List[Tuple[str, Shim]] = []
+        wrong: List[str] = []
+        for shim in [obj] if isinstance(obj, Shim) else list(obj):
+            if not isinstance(shim, Shim):
+                wrong.append(
+                    f"plugin {dist}: entry point {ep.name!r} gave {shim!r:.100}, not a devmap_shims Shim; skipped"
+                )
+                continue
+            fixes = tuple(
+                _prefixed(dist, bug) if _prefixed(dist, bug) in plugin_row_ids else bug for bug in shim.fixes
+            )
+            own_id = str(shim.id)
+            plain = shim.replace(id=_prefixed(dist, own_id), fixes=fixes, source=f"plugin {dist}")
+            found.append((own_id, plain))
+        return found, wrong
+
     shims: List[Shim] = []
     problems: List[str] = []
     seen = set(builtin_ids)
-    for dist, ep in entry_points(SHIM_GROUP):
-        if not _wanted(dist, names):
-            continue
-        budget = _budget(until)
-        if budget <= 0:
-            problems.append(_out_of_time(dist, "shim", ep))
-            continue
-
-        def load(dist: str = dist, ep: Any = ep) -> Tuple[List[Tuple[str, Shim]], List[str]]:
-            # in the contained thread: the plugin's callable, its iterable, and every attribute of
-            # the shims it gives (a property is the plugin's code too); what leaves is plain Shims
-            obj = _called(ep, lambda obj: not isinstance(obj, Shim))
-            found: List[Tuple[str, Shim]] = []
-            wrong: List[str] = []
-            for shim in [obj] if isinstance(obj, Shim) else list(obj):
-                if not isinstance(shim, Shim):
-                    wrong.append(
-                        f"plugin {dist}: entry point {ep.name!r} gave {shim!r:.100}, not a devmap_shims Shim; skipped"
-                    )
-                    continue
-                fixes = tuple(
-                    _prefixed(dist, bug) if _prefixed(dist, bug) in plugin_row_ids else bug
-                    for bug in shim.fixes
-                )
-                own_id = str(shim.id)
-                plain = shim.replace(id=_prefixed(dist, own_id), fixes=fixes, source=f"plugin {dist}")
-                found.append((own_id, plain))
-            return found, wrong
-
-        loaded, error, output = contained(load, budget)
-        error = _error_within(error, budget)
-        if output:
-            problems.append(f"plugin {dist}: shim entry point {ep.name!r} {output}")
-        if error is not None:
-            problems.append(
-                f"plugin {dist}: shim entry point {ep.name!r} ({ep.value}) failed to load ({error}); it is skipped"
-            )
-            continue
-        found, wrong = loaded
+    skipped = "it is skipped"
+    for dist, (found, wrong) in _each_loaded(SHIM_GROUP, "shim", names, until, read, skipped, problems):
         problems.extend(wrong)
         for own_id, shim in found:
             if own_id in builtin_ids:

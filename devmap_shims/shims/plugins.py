@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 import functools
 
+from devmap_shims.shims.containment import contained
 from devmap_shims.shims.record import Shim
 
 SHIM_GROUP = "devmap_shims.shims"
@@ -41,8 +42,6 @@ LOAD_BUDGET = 5.0
 #: Seconds all the entry points together may take at one ``install()``: those not loaded by then
 #: are skipped, each named in a warning (five hanging plugins do not hold start-up for 25 s).
 TOTAL_BUDGET = 10.0
-#: Bytes of a plugin's printed output quoted in the warning (the rest is counted, not kept).
-QUOTED_OUTPUT = 200
 
 
 def _group_declared(group: str) -> bool:
@@ -106,133 +105,6 @@ def distributions() -> Set[str]:
 
 def _prefixed(dist: str, ident: str) -> str:
     return ident if ident.startswith(f"{dist}:") else f"{dist}:{ident}"
-
-
-class _Captured:
-    """A stand-in for sys.stdout/stderr: counts what is written, keeps the beginning."""
-
-    def __init__(self) -> None:
-        self.size = 0
-        self.start = ""
-
-    def write(self, text: str) -> int:
-        if len(self.start) < QUOTED_OUTPUT:
-            self.start += str(text)[: QUOTED_OUTPUT - len(self.start)]
-        self.size += len(text)
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def isatty(self) -> bool:
-        return False
-
-
-class _Routed:
-    """Stands in for ``sys.stdout`` / ``sys.stderr`` while a plugin loads: what the loader thread
-    writes (``write``, ``writelines``; it sees the capture's attributes only, no ``buffer``) goes to
-    the capture, what every other thread writes to the host's stream, which answers everything
-    else (``fileno``, ``encoding``, ``buffer`` ...). Once the loader has ended it passes everything
-    through, wherever it is still held (a logging handler made meanwhile, a stream put on top)."""
-
-    def __init__(self, host: Any, captured: _Captured, thread: Optional[int]) -> None:
-        self._host = host
-        self._captured = captured
-        self._thread = thread  # None once the loader has ended
-
-    def _loader(self) -> bool:
-        import threading
-
-        return self._thread is not None and threading.get_ident() == self._thread
-
-    def write(self, text: str) -> int:
-        if self._loader():
-            return self._captured.write(text)
-        return self._host.write(text)
-
-    def writelines(self, lines: Any) -> None:
-        for line in lines:
-            self.write(line)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._captured if self._loader() else self._host, name)
-
-
-def _unrouted(stream: Any) -> Any:
-    """``stream``, or the host stream behind it when it is a :class:`_Routed` whose loader ended."""
-    while isinstance(stream, _Routed) and stream._thread is None:
-        stream = stream._host
-    return stream
-
-
-def contained(call: Callable[[], Any], budget: float = LOAD_BUDGET) -> Tuple[Any, Optional[str], Optional[str]]:
-    """``call()`` run in a thread of its own within ``budget`` seconds, its prints captured:
-    ``(value, error, output)``: ``error`` says what went wrong (an exception of any kind, or the
-    budget), ``output`` quotes what it printed (None when nothing).
-
-    Only the loader thread's prints are captured: the host's other threads keep writing to their
-    streams meanwhile (threads the plugin starts write to them too). A loader still running after
-    its budget keeps its prints captured until it ends, and the streams go back to the host's
-    then, so a late plugin does not print into the host's output. A stream that is None (no
-    console) stays None."""
-    import sys
-    import threading
-
-    outcome: Dict[str, Any] = {}
-    captured = _Captured()
-    names = ("stdout", "stderr")
-    hosts = [getattr(sys, name) for name in names]
-    routed: List[Any] = []
-    lock = threading.Lock()
-
-    def restore() -> None:  # once, by whichever of the caller and the loader is last
-        with lock:
-            for name, router, host in zip(names, routed, hosts):
-                if router is not None and getattr(sys, name) is router:
-                    setattr(sys, name, _unrouted(host))
-            del routed[:]
-
-    routing = threading.Event()
-
-    def run() -> None:
-        try:
-            routing.wait()  # the plugin's first print is already the loader's
-            outcome["value"] = call()
-        except BaseException as exc:  # SystemExit, KeyboardInterrupt: the plugin's, never the host's
-            outcome["error"] = f"{type(exc).__name__}: {exc}"
-        finally:
-            with lock:
-                for router in routed:
-                    if router is not None:
-                        router._thread = None  # from now on it passes everything to the host
-                outcome["done"] = True
-                late = outcome.get("late")
-            if late:
-                restore()
-
-    worker = threading.Thread(target=run, name="devmap-shims plugin loader", daemon=True)
-    try:
-        worker.start()
-        with lock:
-            routed[:] = [None if host is None else _Routed(host, captured, worker.ident) for host in hosts]
-            for name, router in zip(names, routed):
-                if router is not None:
-                    setattr(sys, name, router)
-        routing.set()
-        worker.join(budget)
-    finally:
-        routing.set()
-        with lock:
-            outcome["late"] = not outcome.get("done")
-        if not outcome["late"]:
-            restore()
-    if outcome["late"]:
-        outcome["error"] = f"still running after {budget:.3g} s; start-up went on without it"
-    output = None
-    if captured.size:
-        quoted = " ".join(captured.start.split())
-        output = f"printed {captured.size} characters, not shown to the host ({quoted!r}...)"
-    return outcome.get("value"), outcome.get("error"), output
 
 
 def missing(names: Optional[Collection[str]]) -> List[str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from devmap_shims.shims import plugins
+from devmap_shims.shims import containment, plugins
 
 EVIL_PLUGIN = '''
 import os, sys, time
@@ -167,7 +167,7 @@ def test_the_streams_come_back_when_a_late_loader_ends_under_another_loaders_str
 
     before = sys.stdout, sys.stderr
     release = threading.Event()
-    value, error, _ = plugins.contained(lambda: release.wait(10), budget=0.1)
+    value, error, _ = containment.contained(lambda: release.wait(10), budget=0.1)
     assert value is None and "still running after 0.1 s" in error
 
     def second():
@@ -175,7 +175,7 @@ def test_the_streams_come_back_when_a_late_loader_ends_under_another_loaders_str
         time.sleep(0.3)
         return "second"
 
-    assert plugins.contained(second, budget=10)[0] == "second"
+    assert containment.contained(second, budget=10)[0] == "second"
     time.sleep(0.1)
     assert (sys.stdout, sys.stderr) == before  # no stand-in left behind, late or not
 
@@ -186,7 +186,7 @@ def test_a_loader_sees_only_the_capture_and_writes_every_way_into_it():
         print("three", file=sys.stderr)
         return hasattr(sys.stdout, "buffer"), hasattr(sys.stderr, "fileno")
 
-    value, error, output = plugins.contained(plugin)
+    value, error, output = containment.contained(plugin, budget=plugins.LOAD_BUDGET)
     assert error is None and value == (False, False)
     assert output and "printed 14 characters" in output and "one two three" in output
 
@@ -214,7 +214,7 @@ def test_a_missing_console_stays_missing_while_a_plugin_loads(monkeypatch):
         thread.join(10)
         print("the plugin")
 
-    value, error, output = plugins.contained(plugin)
+    value, error, output = containment.contained(plugin, budget=plugins.LOAD_BUDGET)
     assert error is None and problems == [] and sys.stdout is None and sys.stderr is None
 
 

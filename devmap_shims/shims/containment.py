@@ -6,9 +6,18 @@ Only the loader thread's output is captured, through stand-ins for ``sys.stdout`
 ``sys.stderr`` that route by thread: the host's other threads keep printing meanwhile, a loader
 that overruns its time stays captured until it ends, and a stand-in whose loader has ended passes
 everything through wherever it is still held.
+
+No stand-in is ever freed. ``print()`` holds ``sys.stdout`` as a borrowed reference between its
+writes in CPython releases without the fix of python/cpython#130163: a stand-in freed while
+another thread prints through it crashes that thread (RecursionError) or the whole process
+(segmentation fault). An idle stand-in serves the next load over the same host stream again, so
+they do not pile up.
 """
 
 from __future__ import annotations
+
+import sys
+import threading
 
 TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
@@ -68,6 +77,24 @@ class _Routed:
         return getattr(self._captured if self._loader() else self._host, name)
 
 
+#: Every stand-in made, kept for good (see the module's docstring), and the lock over it and over
+#: what stands on ``sys.stdout`` / ``sys.stderr`` while loaders start and end.
+_MADE: List[_Routed] = []
+_LOCK = threading.Lock()
+
+
+def _stand_in(host: Any, captured: _Captured, thread: Optional[int]) -> _Routed:
+    """An idle stand-in over ``host`` routed to ``thread`` again, or a new one (under ``_LOCK``)."""
+    for router in _MADE:
+        if router._host is host and router._thread is None:
+            router._captured = captured
+            router._thread = thread
+            return router
+    router = _Routed(host, captured, thread)
+    _MADE.append(router)
+    return router
+
+
 def _unrouted(stream: Any) -> Any:
     """``stream``, or the host stream behind it when it is a :class:`_Routed` whose loader ended."""
     while isinstance(stream, _Routed) and stream._thread is None:
@@ -85,22 +112,17 @@ def contained(call: Callable[[], Any], budget: float) -> Tuple[Any, Optional[str
     its budget keeps its prints captured until it ends, and the streams go back to the host's
     then, so a late plugin does not print into the host's output. A stream that is None (no
     console) stays None."""
-    import sys
-    import threading
-
     outcome: Dict[str, Any] = {}
     captured = _Captured()
     names = ("stdout", "stderr")
     hosts = [getattr(sys, name) for name in names]
     routed: List[Any] = []
-    lock = threading.Lock()
 
-    def restore() -> None:  # once, by whichever of the caller and the loader is last
-        with lock:
-            for name, router, host in zip(names, routed, hosts):
-                if router is not None and getattr(sys, name) is router:
-                    setattr(sys, name, _unrouted(host))
-            del routed[:]
+    def restore() -> None:  # under _LOCK, once, by whichever of the caller and the loader is last
+        for name, router, host in zip(names, routed, hosts):
+            if router is not None and getattr(sys, name) is router:
+                setattr(sys, name, _unrouted(host))
+        del routed[:]
 
     routing = threading.Event()
 
@@ -111,20 +133,19 @@ def contained(call: Callable[[], Any], budget: float) -> Tuple[Any, Optional[str
         except BaseException as exc:  # SystemExit, KeyboardInterrupt: the plugin's, never the host's
             outcome["error"] = f"{type(exc).__name__}: {exc}"
         finally:
-            with lock:
+            with _LOCK:
                 for router in routed:
                     if router is not None:
                         router._thread = None  # from now on it passes everything to the host
                 outcome["done"] = True
-                late = outcome.get("late")
-            if late:
-                restore()
+                if outcome.get("late"):
+                    restore()
 
     worker = threading.Thread(target=run, name="devmap-shims plugin loader", daemon=True)
     try:
         worker.start()
-        with lock:
-            routed[:] = [None if host is None else _Routed(host, captured, worker.ident) for host in hosts]
+        with _LOCK:
+            routed[:] = [None if host is None else _stand_in(host, captured, worker.ident) for host in hosts]
             for name, router in zip(names, routed):
                 if router is not None:
                     setattr(sys, name, router)
@@ -132,10 +153,10 @@ def contained(call: Callable[[], Any], budget: float) -> Tuple[Any, Optional[str
         worker.join(budget)
     finally:
         routing.set()
-        with lock:
+        with _LOCK:
             outcome["late"] = not outcome.get("done")
-        if not outcome["late"]:
-            restore()
+            if not outcome["late"]:
+                restore()
     if outcome["late"]:
         outcome["error"] = f"still running after {budget:.3g} s; start-up went on without it"
     output = None

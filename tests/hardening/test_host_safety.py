@@ -162,6 +162,52 @@ def test_the_hosts_other_threads_keep_their_output_while_a_plugin_loads(evil):
     assert "WARNINGS []" in proc.stdout
 
 
+PRINTING_THROUGH_A_DROPPED_STAND_IN = """
+import sys, threading
+from devmap_shims.shims import containment
+
+class Host:  # the host's stream: its first write waits until the plugin's load is over
+    def __init__(self):
+        self.parts, self.first, self.go = [], threading.Event(), threading.Event()
+    def write(self, text):
+        self.parts.append(text)
+        if len(self.parts) == 1:
+            self.first.set()
+            self.go.wait(10)
+        return len(text)
+    def flush(self):
+        pass
+
+host = sys.stdout = Host()
+printer = threading.Thread(target=lambda: print("a", "b", "c"))
+def plugin():
+    printer.start()  # a thread of the host's, printing through the stand-in
+    host.first.wait(10)
+containment.contained(plugin, budget=10)  # the stand-in leaves sys.stdout mid-print
+host.go.set()
+printer.join()
+sys.stdout = sys.__stdout__
+print(host.parts)
+"""
+
+
+def test_a_thread_printing_while_the_streams_go_back_keeps_its_stand_in():
+    # print() holds sys.stdout borrowed between its writes (python/cpython#130163): a stand-in
+    # freed then was used after free, a RecursionError in the printing thread or a segfault
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", PRINTING_THROUGH_A_DROPPED_STAND_IN],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == repr(["a", " ", "b", " ", "c", "\n"]), proc.stderr[-2000:]
+    assert "Error" not in proc.stderr
+
+
+def test_stand_ins_kept_for_good_do_not_pile_up():
+    for _ in range(50):
+        containment.contained(lambda: print("plugin"), budget=plugins.LOAD_BUDGET)
+    assert sum(router._host in (sys.stdout, sys.stderr) for router in containment._MADE) <= 2
+
+
 def test_the_streams_come_back_when_a_late_loader_ends_under_another_loaders_streams():
     import threading
 

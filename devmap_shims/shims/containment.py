@@ -10,8 +10,10 @@ everything through wherever it is still held.
 No stand-in is ever freed. ``print()`` holds ``sys.stdout`` as a borrowed reference between its
 writes in CPython releases without the fix of python/cpython#130163: a stand-in freed while
 another thread prints through it crashes that thread (RecursionError) or the whole process
-(segmentation fault). An idle stand-in serves the next load over the same host stream again, so
-they do not pile up.
+(segmentation fault). Idle stand-ins serve later loads instead, over the same host stream, or
+over another one when nothing but the pool holds them any more, so neither stand-ins nor the
+host streams they held pile up. (A thread that is still inside a ``print()`` begun through such
+a stand-in before its load ended writes the rest of that print to the stream's new host.)
 """
 
 from __future__ import annotations
@@ -54,14 +56,12 @@ class _Routed:
     else (``fileno``, ``encoding``, ``buffer`` ...). Once the loader has ended it passes everything
     through, wherever it is still held (a logging handler made meanwhile, a stream put on top)."""
 
-    def __init__(self, host: Any, captured: _Captured, thread: Optional[int]) -> None:
+    def __init__(self, host: Any, captured: Optional[_Captured], thread: Optional[int]) -> None:
         self._host = host
         self._captured = captured
         self._thread = thread  # None once the loader has ended
 
     def _loader(self) -> bool:
-        import threading
-
         return self._thread is not None and threading.get_ident() == self._thread
 
     def write(self, text: str) -> int:
@@ -77,22 +77,55 @@ class _Routed:
         return getattr(self._captured if self._loader() else self._host, name)
 
 
-#: Every stand-in made, kept for good (see the module's docstring), and the lock over it and over
-#: what stands on ``sys.stdout`` / ``sys.stderr`` while loaders start and end.
-_MADE: List[_Routed] = []
+#: Every stand-in made, by stream name, kept for good (see the module's docstring), and the lock
+#: over the pool and over what stands on ``sys.stdout`` / ``sys.stderr`` while loads start and end.
+_MADE: Dict[str, List[_Routed]] = {"stdout": [], "stderr": []}
 _LOCK = threading.Lock()
 
 
-def _stand_in(host: Any, captured: _Captured, thread: Optional[int]) -> _Routed:
-    """An idle stand-in over ``host`` routed to ``thread`` again, or a new one (under ``_LOCK``)."""
-    for router in _MADE:
-        if router._host is host and router._thread is None:
-            router._captured = captured
-            router._thread = thread
-            return router
-    router = _Routed(host, captured, thread)
-    _MADE.append(router)
+def _references(pool: List[_Routed], index: int) -> int:
+    return sys.getrefcount(pool[index])
+
+
+#: What :func:`_references` counts for a stand-in that nothing but the pool holds.
+_ONLY_POOLED = _references([_Routed(None, None, None)], 0)
+
+
+def _stand_in(name: str, host: Any, captured: _Captured, thread: Optional[int]) -> _Routed:
+    """A stand-in over ``host`` routed to ``thread`` (under ``_LOCK``): an idle one over ``host``,
+    else an idle one nothing else holds (not on the streams, under no other stand-in, in no
+    logging handler) pointed at ``host``, else a new one."""
+    pool = _MADE[name]
+    idle = [i for i in range(len(pool)) if pool[i]._thread is None]
+    mine = [i for i in idle if pool[i]._host is host]
+    free = mine or [i for i in idle if _references(pool, i) <= _ONLY_POOLED]
+    if not free:
+        pool.append(_Routed(host, captured, thread))
+        return pool[-1]
+    router = pool[free[0]]
+    router._host, router._captured = host, captured
+    router._thread = thread  # last: routing starts once the rest is in place
     return router
+
+
+def _idle(router: _Routed) -> None:
+    """The loader ended: ``router`` passes everything to its host from now on."""
+    router._thread = None
+    router._captured = None  # what the loader printed is counted and quoted already
+
+
+def reinit_after_fork() -> None:
+    """In a child forked while a plugin loaded: that loader is not there, and a lock held then
+    by another thread stays held; every stand-in passes through, the streams are the host's."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    me = threading.get_ident()
+    for pool in _MADE.values():
+        for router in pool:
+            if router._thread != me:  # a plugin that forked goes on loading in its child
+                _idle(router)
+    for name in _MADE:
+        setattr(sys, name, _unrouted(getattr(sys, name)))
 
 
 def _unrouted(stream: Any) -> Any:
@@ -115,15 +148,8 @@ def contained(call: Callable[[], Any], budget: float) -> Tuple[Any, Optional[str
     outcome: Dict[str, Any] = {}
     captured = _Captured()
     names = ("stdout", "stderr")
-    hosts = [getattr(sys, name) for name in names]
+    hosts: List[Any] = []
     routed: List[Any] = []
-
-    def restore() -> None:  # under _LOCK, once, by whichever of the caller and the loader is last
-        for name, router, host in zip(names, routed, hosts):
-            if router is not None and getattr(sys, name) is router:
-                setattr(sys, name, _unrouted(host))
-        del routed[:]
-
     routing = threading.Event()
 
     def run() -> None:
@@ -133,31 +159,28 @@ def contained(call: Callable[[], Any], budget: float) -> Tuple[Any, Optional[str
         except BaseException as exc:  # SystemExit, KeyboardInterrupt: the plugin's, never the host's
             outcome["error"] = f"{type(exc).__name__}: {exc}"
         finally:
+            # the loader, and only it, gives the streams back: in the same hold of the lock as its
+            # stand-ins go idle, before another load can take one of them up again
             with _LOCK:
-                for router in routed:
+                for name, router, host in zip(names, routed, hosts):
                     if router is not None:
-                        router._thread = None  # from now on it passes everything to the host
-                outcome["done"] = True
-                if outcome.get("late"):
-                    restore()
+                        _idle(router)
+                        if getattr(sys, name) is router:
+                            setattr(sys, name, _unrouted(host))
 
     worker = threading.Thread(target=run, name="devmap-shims plugin loader", daemon=True)
     try:
         worker.start()
-        with _LOCK:
-            routed[:] = [None if host is None else _stand_in(host, captured, worker.ident) for host in hosts]
-            for name, router in zip(names, routed):
-                if router is not None:
-                    setattr(sys, name, router)
-        routing.set()
-        worker.join(budget)
+        with _LOCK:  # the streams as they are now, not as another load's stand-ins left them
+            for name in names:
+                hosts.append(getattr(sys, name))
+                routed.append(None if hosts[-1] is None else _stand_in(name, hosts[-1], captured, worker.ident))
+                if routed[-1] is not None:
+                    setattr(sys, name, routed[-1])
     finally:
         routing.set()
-        with _LOCK:
-            outcome["late"] = not outcome.get("done")
-            if not outcome["late"]:
-                restore()
-    if outcome["late"]:
+    worker.join(budget)
+    if worker.is_alive():
         outcome["error"] = f"still running after {budget:.3g} s; start-up went on without it"
     output = None
     if captured.size:

@@ -347,7 +347,9 @@ ENGINE = Engine()
 
 def _after_fork_in_child() -> None:
     """A fork while another thread held one of our locks (an import arming a target, a repair
-    keeping state) would leave it held forever in the child: give the child new ones."""
+    keeping state, a plugin loading) would leave it held forever in the child: give the child new
+    ones, and the streams of a plugin load that is not there."""
+    import sys
     import threading
 
     from devmap_shims.shims import importhook
@@ -355,6 +357,9 @@ def _after_fork_in_child() -> None:
     registry = ENGINE.registry
     registry.lock = threading.RLock()
     importhook.reinit_after_fork()
+    containment = sys.modules.get("devmap_shims.shims.containment")
+    if containment is not None:  # imported by the first plugin load, never at start-up
+        containment.reinit_after_fork()
     for entry in registry.shims.values():
         if entry.shim.state is not None:
             entry.context.state = entry.shim.state()

@@ -202,10 +202,107 @@ def test_a_thread_printing_while_the_streams_go_back_keeps_its_stand_in():
     assert "Error" not in proc.stderr
 
 
-def test_stand_ins_kept_for_good_do_not_pile_up():
+def _pooled():
+    return sum(len(pool) for pool in containment._MADE.values())
+
+
+def test_stand_ins_kept_for_good_do_not_pile_up_nor_keep_the_hosts_streams():
+    import contextlib
+    import io
+    import weakref
+
+    before = _pooled()
     for _ in range(50):
         containment.contained(lambda: print("plugin"), budget=plugins.LOAD_BUDGET)
-    assert sum(router._host in (sys.stdout, sys.stderr) for router in containment._MADE) <= 2
+    streams = []
+    for _ in range(50):  # a program loading plugins under a new sys.stdout each time
+        stream = io.StringIO()
+        streams.append(weakref.ref(stream))
+        with contextlib.redirect_stdout(stream):
+            containment.contained(lambda: print("plugin"), budget=plugins.LOAD_BUDGET)
+        del stream
+    assert _pooled() <= before + 2
+    assert sum(ref() is not None for ref in streams) <= 1  # the last one may still be pointed at
+
+
+def test_plugins_loading_in_two_threads_at_once_keep_their_output_and_the_hosts():
+    import threading
+
+    class Host:
+        def __init__(self):
+            self.parts = []
+
+        def write(self, text):
+            self.parts.append(text)
+            return len(text)
+
+        def flush(self):
+            pass
+
+    def loads(outputs):
+        for _ in range(150):
+            outputs.append(containment.contained(lambda: print("PLUGIN OUTPUT"), budget=10)[2])
+
+    host, before = Host(), sys.stdout
+    outputs = []
+    sys.stdout = host
+    try:
+        threads = [threading.Thread(target=loads, args=(outputs,)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for _ in range(300):
+            print("HOST OUTPUT")
+        for thread in threads:
+            thread.join()
+        after = sys.stdout
+    finally:
+        sys.stdout = before
+    assert after is host  # the stand-ins left the streams
+    assert "PLUGIN OUTPUT" not in host.parts and host.parts.count("HOST OUTPUT") == 300
+    assert outputs == ["printed 14 characters, not shown to the host ('PLUGIN OUTPUT'...)"] * 300
+
+
+FORK_WHILE_A_PLUGIN_LOADS = """
+import os, signal, sys, threading, time
+import devmap_shims.shims.engine
+from devmap_shims.shims import containment
+loading, forked = threading.Event(), threading.Event()
+def host_thread():
+    loading.wait(10)
+    read, write = os.pipe()
+    if os.fork() == 0:
+        signal.alarm(10)
+        printer = threading.Thread(target=print, args=("CHILD THREAD LINE",))
+        printer.start()
+        printer.join()
+        sys.stdout.flush()
+        os.write(write, repr((type(sys.stdout).__name__, containment.contained(lambda: 1, 1))).encode())
+        os._exit(0)
+    os.close(write)
+    print("CHILD SAID", os.read(read, 1000).decode(), flush=True)
+    forked.set()
+threading.Thread(target=host_thread).start()
+def plugin():
+    loading.set()
+    forked.wait(20)
+    with containment._LOCK:  # a fork while another thread holds the lock, too
+        if os.fork() == 0:
+            signal.alarm(10)
+            os.write(1, repr(containment.contained(lambda: 2, 1)).encode())
+            os._exit(0)
+        os.wait()
+containment.contained(plugin, budget=30)
+"""
+
+
+def test_a_child_forked_while_a_plugin_loads_has_the_hosts_streams_and_can_load_plugins():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", FORK_WHILE_A_PLUGIN_LOADS],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "CHILD THREAD LINE" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+    assert "CHILD SAID ('TextIOWrapper', (1, None, None))" in proc.stdout, proc.stdout
+    assert "(2, None, None)" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
 
 
 def test_the_streams_come_back_when_a_late_loader_ends_under_another_loaders_streams():
@@ -222,7 +319,9 @@ def test_the_streams_come_back_when_a_late_loader_ends_under_another_loaders_str
         return "second"
 
     assert containment.contained(second, budget=10)[0] == "second"
-    time.sleep(0.1)
+    deadline = time.monotonic() + 10  # the first loader ends when the scheduler lets it
+    while (sys.stdout, sys.stderr) != before and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert (sys.stdout, sys.stderr) == before  # no stand-in left behind, late or not
 
 

@@ -74,6 +74,8 @@ class _Routed:
             self.write(line)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_host", "_captured", "_thread"):
+            raise AttributeError(name)  # copy's and pickle's protocol; a copy without __init__
         return getattr(self._captured if self._loader() else self._host, name)
 
 
@@ -109,9 +111,16 @@ def _stand_in(name: str, host: Any, captured: _Captured, thread: Optional[int]) 
 
 
 def _idle(router: _Routed) -> None:
-    """The loader ended: ``router`` passes everything to its host from now on."""
+    """The loader ended (under ``_LOCK``): ``router`` passes everything to its host from now on,
+    and the stand-ins over it stand over its host instead, so idle ones never stack up between
+    the streams and the host (each one a frame more on every print)."""
     router._thread = None
     router._captured = None  # what the loader printed is counted and quoted already
+    below = _unrouted(router._host)
+    for pool in _MADE.values():
+        for other in pool:
+            if other._host is router:
+                other._host = below
 
 
 def reinit_after_fork() -> None:
@@ -174,7 +183,8 @@ def contained(call: Callable[[], Any], budget: float) -> Tuple[Any, Optional[str
         with _LOCK:  # the streams as they are now, not as another load's stand-ins left them
             for name in names:
                 hosts.append(getattr(sys, name))
-                routed.append(None if hosts[-1] is None else _stand_in(name, hosts[-1], captured, worker.ident))
+                over = _unrouted(hosts[-1])  # an idle stand-in a redirect_stdout() put back
+                routed.append(None if over is None else _stand_in(name, over, captured, worker.ident))
                 if routed[-1] is not None:
                     setattr(sys, name, routed[-1])
     finally:

@@ -262,6 +262,71 @@ def test_plugins_loading_in_two_threads_at_once_keep_their_output_and_the_hosts(
     assert outputs == ["printed 14 characters, not shown to the host ('PLUGIN OUTPUT'...)"] * 300
 
 
+def test_a_copy_of_a_stand_in_writes_where_the_stand_in_does():
+    import copy
+    import io
+
+    host = io.StringIO()
+    stand_in = containment._Routed(host, None, None)
+    copy.copy(stand_in).write("through the copy")  # copy looks up __setstate__ before any state
+    assert host.getvalue() == "through the copy"
+
+
+def _depth(stream):
+    depth = 0
+    while isinstance(stream, containment._Routed):
+        stream, depth = stream._host, depth + 1
+    return depth
+
+
+def test_overlapping_loads_and_redirects_do_not_stack_stand_ins_over_the_hosts_streams():
+    # each stand-in left between sys.stdout and the host is a frame more on every print: a
+    # thousand of them made every print of the program raise RecursionError
+    import contextlib
+    import io
+    import threading
+
+    before, deepest = sys.stdout, []
+    turn = [threading.Semaphore(1), threading.Semaphore(0)]
+
+    def host(k):  # two threads of the program, each load starting while the other's runs
+        for i in range(60):
+            turn[k].acquire()
+
+            def plugin():
+                mine = sys.stdout
+                turn[1 - k].release()
+                deadline = time.monotonic() + 5
+                while sys.stdout is mine and not (k == 1 and i == 59) and time.monotonic() < deadline:
+                    time.sleep(0.0005)
+                deepest.append(_depth(sys.stdout))
+
+            containment.contained(plugin, budget=10)
+
+    threads = [threading.Thread(target=host, args=(k,)) for k in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sys.stdout is before and max(deepest) <= 3, max(deepest)
+
+    for _ in range(60):  # the program redirects its output while a load ends
+        loading, redirected = threading.Event(), threading.Event()
+
+        def plugin():
+            loading.set()
+            redirected.wait(10)
+
+        loader = threading.Thread(target=containment.contained, args=(plugin, 10))
+        loader.start()
+        loading.wait(10)
+        with contextlib.redirect_stdout(io.StringIO()):  # gives back the stand-in on leaving
+            redirected.set()
+            loader.join()
+        deepest.append(_depth(sys.stdout))
+    assert max(deepest[-60:]) <= 1 and _depth(sys.stdout) <= 1
+
+
 FORK_WHILE_A_PLUGIN_LOADS = """
 import os, signal, sys, threading, time
 import devmap_shims.shims.engine

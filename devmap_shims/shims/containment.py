@@ -30,7 +30,13 @@ QUOTED_OUTPUT = 200
 
 
 class _Captured:
-    """A stand-in for sys.stdout/stderr: counts what is written, keeps the beginning."""
+    """A stand-in for sys.stdout/stderr: counts what is written, keeps the beginning. It has what
+    code that prints looks at (``encoding``, ``errors``, ``closed``, ``isatty``) but no ``fileno``
+    or ``buffer``, so nothing writes past it to the host's file descriptors."""
+
+    encoding = "utf-8"
+    errors = "strict"
+    closed = False
 
     def __init__(self) -> None:
         self.size = 0

@@ -394,10 +394,11 @@ def test_a_loader_sees_only_the_capture_and_writes_every_way_into_it():
     def plugin():
         sys.stdout.writelines(["one\n", "two\n"])
         print("three", file=sys.stderr)
-        return hasattr(sys.stdout, "buffer"), hasattr(sys.stderr, "fileno")
+        streams = sys.stdout.encoding, sys.stderr.errors, sys.stdout.closed  # what printing code asks
+        return hasattr(sys.stdout, "buffer"), hasattr(sys.stderr, "fileno"), streams
 
     value, error, output = containment.contained(plugin, budget=plugins.LOAD_BUDGET)
-    assert error is None and value == (False, False)
+    assert error is None and value == (False, False, ("utf-8", "strict", False)), (error, value)
     assert output and "printed 14 characters" in output and "one two three" in output
 
 

@@ -131,13 +131,14 @@ def _idle(router: _Routed) -> None:
 
 def reinit_after_fork() -> None:
     """In a child forked while a plugin loaded: that loader is not there, and a lock held then
-    by another thread stays held; every stand-in passes through, the streams are the host's."""
+    by another thread stays held. Every stand-in passes through and the streams are the host's,
+    except those of a loader that forked itself: it goes on loading in the child."""
     global _LOCK
     _LOCK = threading.Lock()
     me = threading.get_ident()
     for pool in _MADE.values():
         for router in pool:
-            if router._thread != me:  # a plugin that forked goes on loading in its child
+            if router._thread != me:
                 _idle(router)
     for name in _MADE:
         setattr(sys, name, _unrouted(getattr(sys, name)))

@@ -358,7 +358,7 @@ def _after_fork_in_child() -> None:
     registry.lock = threading.RLock()
     importhook.reinit_after_fork()
     containment = sys.modules.get("devmap_shims.shims.containment")
-    if containment is not None:  # imported by the first plugin load, never at start-up
+    if containment is not None:  # only once the plugins module is imported
         containment.reinit_after_fork()
     for entry in registry.shims.values():
         if entry.shim.state is not None:

@@ -287,44 +287,48 @@ def test_overlapping_loads_and_redirects_do_not_stack_stand_ins_over_the_hosts_s
     import threading
 
     before, deepest = sys.stdout, []
+    loads = 120
     turn = [threading.Semaphore(1), threading.Semaphore(0)]
+    started = [threading.Event() for _ in range(loads + 1)]
+    started[loads].set()  # the last load waits for no other
 
-    def host(k):  # two threads of the program, each load starting while the other's runs
-        for i in range(60):
+    def host(k):  # two threads of the program, each load ending while the other's has begun
+        for n in range(k, loads, 2):
             turn[k].acquire()
 
-            def plugin():
-                mine = sys.stdout
+            def plugin(n=n):
+                started[n].set()
                 turn[1 - k].release()
-                deadline = time.monotonic() + 5
-                while sys.stdout is mine and not (k == 1 and i == 59) and time.monotonic() < deadline:
-                    time.sleep(0.0005)
+                started[n + 1].wait(10)  # the next load's stand-in is on the streams now
                 deepest.append(_depth(sys.stdout))
 
             containment.contained(plugin, budget=10)
 
-    threads = [threading.Thread(target=host, args=(k,)) for k in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert sys.stdout is before and max(deepest) <= 3, max(deepest)
+    try:
+        threads = [threading.Thread(target=host, args=(k,)) for k in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sys.stdout is before and len(deepest) == loads and max(deepest) <= 2, deepest
 
-    for _ in range(60):  # the program redirects its output while a load ends
-        loading, redirected = threading.Event(), threading.Event()
+        for _ in range(60):  # the program redirects its output while a load ends
+            loading, redirected = threading.Event(), threading.Event()
 
-        def plugin():
-            loading.set()
-            redirected.wait(10)
+            def plugin():
+                loading.set()
+                redirected.wait(10)
 
-        loader = threading.Thread(target=containment.contained, args=(plugin, 10))
-        loader.start()
-        loading.wait(10)
-        with contextlib.redirect_stdout(io.StringIO()):  # gives back the stand-in on leaving
-            redirected.set()
-            loader.join()
-        deepest.append(_depth(sys.stdout))
-    assert max(deepest[-60:]) <= 1 and _depth(sys.stdout) <= 1
+            loader = threading.Thread(target=containment.contained, args=(plugin, 10))
+            loader.start()
+            loading.wait(10)
+            with contextlib.redirect_stdout(io.StringIO()):  # gives back the stand-in on leaving
+                redirected.set()
+                loader.join()
+            deepest.append(_depth(sys.stdout))
+        assert max(deepest[loads:]) <= 1
+    finally:
+        sys.stdout = before
 
 
 FORK_WHILE_A_PLUGIN_LOADS = """
@@ -341,7 +345,7 @@ def host_thread():
         printer.start()
         printer.join()
         sys.stdout.flush()
-        os.write(write, repr((type(sys.stdout).__name__, containment.contained(lambda: 1, 1))).encode())
+        os.write(write, repr((type(sys.stdout).__name__, containment.contained(lambda: 1, 10))).encode())
         os._exit(0)
     os.close(write)
     print("CHILD SAID", os.read(read, 1000).decode(), flush=True)
@@ -353,7 +357,7 @@ def plugin():
     with containment._LOCK:  # a fork while another thread holds the lock, too
         if os.fork() == 0:
             signal.alarm(10)
-            os.write(1, repr(containment.contained(lambda: 2, 1)).encode())
+            os.write(1, repr(containment.contained(lambda: 2, 10)).encode())
             os._exit(0)
         os.wait()
 containment.contained(plugin, budget=30)

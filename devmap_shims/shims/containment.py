@@ -87,7 +87,7 @@ class _Routed:
 
 #: Every stand-in made, by stream name, kept for good (see the module's docstring), and the lock
 #: over the pool and over what stands on ``sys.stdout`` / ``sys.stderr`` while loads start and end.
-_MADE: Dict[str, List[_Routed]] = {"stdout": [], "stderr": []}
+_MADE: Dict[str, List[_Routed]] = {"stdout": [], "stderr": []}  # the names of the streams stood in for
 _LOCK = threading.Lock()
 
 
@@ -163,7 +163,7 @@ def contained(call: Callable[[], Any], budget: float) -> Tuple[Any, Optional[str
     console) stays None."""
     outcome: Dict[str, Any] = {}
     captured = _Captured()
-    names = ("stdout", "stderr")
+    names = tuple(_MADE)
     hosts: List[Any] = []
     routed: List[Any] = []
     routing = threading.Event()

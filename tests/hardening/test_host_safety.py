@@ -80,6 +80,18 @@ def rows():
 '''
 
 
+def _python(code, *options, path=(), timeout=60, cwd=None, **env_extra):
+    """``code`` run by this interpreter with this test run's sys.path (``path`` first) and no
+    DEVMAP_SHIMS variables but those given; the process, with the seconds it took."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
+    env.update(PYTHONPATH=os.pathsep.join([*map(str, path), *sys.path]), **env_extra)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, *options, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=cwd)
+    proc.seconds = time.monotonic() - start
+    return proc
+
+
 @pytest.fixture
 def evil(tmp_path):
     """A plugin distribution ``evil-plugin`` on PYTHONPATH; ``run(code, mode, **env)`` runs code."""
@@ -96,13 +108,7 @@ def evil(tmp_path):
     (site / "torch" / "__init__.py").write_text("")
 
     def run(code, mode="", timeout=60, **env_extra):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
-        env.update(EVIL_MODE=mode, PYTHONPATH=os.pathsep.join([str(site)] + sys.path), **env_extra)
-        start = time.monotonic()
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                              timeout=timeout, cwd=tmp_path)
-        proc.seconds = time.monotonic() - start
-        return proc
+        return _python(code, path=[site], timeout=timeout, cwd=tmp_path, EVIL_MODE=mode, **env_extra)
 
     return run
 
@@ -194,9 +200,7 @@ print(host.parts)
 def test_a_thread_printing_while_the_streams_go_back_keeps_its_stand_in():
     # print() holds sys.stdout borrowed between its writes (python/cpython#130163): a stand-in
     # freed then was used after free, a RecursionError in the printing thread or a segfault
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, "-c", PRINTING_THROUGH_A_DROPPED_STAND_IN],
-                          capture_output=True, text=True, env=env, timeout=60)
+    proc = _python(PRINTING_THROUGH_A_DROPPED_STAND_IN)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == repr(["a", " ", "b", " ", "c", "\n"]), proc.stderr[-2000:]
     assert "Error" not in proc.stderr
@@ -365,9 +369,7 @@ containment.contained(plugin, budget=30)
 
 
 def test_a_child_forked_while_a_plugin_loads_has_the_hosts_streams_and_can_load_plugins():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", FORK_WHILE_A_PLUGIN_LOADS],
-                          capture_output=True, text=True, env=env, timeout=60)
+    proc = _python(FORK_WHILE_A_PLUGIN_LOADS, "-W", "ignore")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "CHILD THREAD LINE" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
     assert "CHILD SAID ('TextIOWrapper', (1, None, None))" in proc.stdout, proc.stdout
@@ -663,9 +665,7 @@ def test_a_fork_while_the_registry_lock_is_held_leaves_the_child_working(tmp_pat
         print("PARENT", os.waitstatus_to_exitcode(status), flush=True)
         os._exit(0)
     """)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    proc = _python(script)
     assert "PARENT 0" in proc.stdout and "CHILD" in proc.stdout, proc.stdout + proc.stderr
 
 

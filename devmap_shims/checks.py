@@ -30,10 +30,12 @@ Record = Dict[str, Any]
 
 
 def check_devices(obj: Any) -> List[Record]:
-    """Every tensor of ``obj`` (a model, a pipeline, a dict or list of models, or a parameter) that
-    is not on the device its module runs on; ``[]`` when everything is in place.
+    """Every tensor of ``obj`` (a model, a diffusers or transformers pipeline, a dict or list of
+    models, or a parameter) that is not on the device its module runs on; ``[]`` when everything is
+    in place.
 
-    Each record has ``name`` (dotted path, prefixed by the pipeline component), ``kind``
+    Each record has ``name`` (dotted path, prefixed by the pipeline component: ``model.`` and
+    ``assistant_model.`` for a transformers pipeline), ``kind``
     (``"parameter"``, ``"buffer"``, ``"quant_state"``, ``"attached"`` or ``"int8_state"``), ``device``,
     ``expected``, ``shape`` and ``dtype``.
     """
@@ -63,6 +65,13 @@ def _components(
             if isinstance(value, (torch.nn.Module, torch.Tensor)):
                 yield _join(prefix, name), value
         return
+    model = getattr(obj, "model", None)
+    if isinstance(model, torch.nn.Module):  # a transformers pipeline, with its assistant if any
+        yield _join(prefix, "model"), model
+        assistant = getattr(obj, "assistant_model", None)
+        if isinstance(assistant, torch.nn.Module):
+            yield _join(prefix, "assistant_model"), assistant
+        return
     if isinstance(obj, dict):
         for name, value in obj.items():
             yield from _components(value, torch, _join(prefix, str(name)), _inside)
@@ -72,8 +81,8 @@ def _components(
             yield from _components(value, torch, _join(prefix, str(index)), _inside)
         return
     raise TypeError(
-        f"check_devices() takes a torch module, a pipeline with .components, a dict or list of them, or a "
-        f"tensor; got {type(obj).__name__}"
+        f"check_devices() takes a torch module, a diffusers pipeline (.components), a transformers pipeline "
+        f"(.model), a dict or list of them, or a tensor; got {type(obj).__name__}"
     )
 
 

@@ -213,3 +213,20 @@ def test_an_int8_layers_state_is_checked_against_its_weight(bnb, simulated_gpus)
         assert found == []
     net[0].state = types.SimpleNamespace(CB=torch.ones(1, device="cuda:0"))  # not bitsandbytes' state
     assert check_devices(net) == []
+
+
+@SIM
+def test_a_transformers_pipeline_is_checked_through_its_model_and_assistant():
+    transformers = pytest.importorskip("transformers")
+    from devmap_shims.testing.models._flux_tokenizers import tiny_clip_tokenizer
+    from devmap_shims.testing.models.causal_lm import tiny_causal_lm
+
+    main, assistant = tiny_causal_lm("llama").to("cuda:1"), tiny_causal_lm("llama", num_layers=1).to("cuda:1")
+    pipe = transformers.pipeline("text-generation", model=main, tokenizer=tiny_clip_tokenizer(), device="cuda:1")
+    assert isinstance(pipe, transformers.Pipeline) and check_devices(pipe) == []
+    main.model.norm.weight.data = main.model.norm.weight.data.to("cuda:0")
+    assert names(check_devices(pipe)) == ["model.model.norm.weight"]
+    pipe.assistant_model = assistant  # what pipeline(..., assistant_model=...) sets where it exists
+    assistant.lm_head.weight.data = assistant.lm_head.weight.data.to("cuda:0")
+    assert names(check_devices(pipe)) == ["assistant_model.lm_head.weight", "model.model.norm.weight"]
+    assert names(check_devices({"chat": pipe})) == ["chat.assistant_model.lm_head.weight", "chat.model.model.norm.weight"]

@@ -147,20 +147,30 @@ def listed(names: List[str], shown: int = SHOWN_NAMES) -> str:
     return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
 
 
-def unknown_id_problems(settings: Settings, known: List[str]) -> List[str]:
+def unknown_ids(place: str, unknown: List[str], known: List[str]) -> str:
+    """The message for ``unknown`` (ids of no shim) named by ``place`` (a variable, an install()
+    argument): one id gets the closest known id, several the list of known ones."""
+    import difflib
+
+    everything = f"known shims: {', '.join(sorted(known))}"
+    if len(unknown) == 1:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        return f"{place} names unknown shim {_shown(unknown[0])}; " + (
+            f"did you mean {close[0]!r}?" if close else everything
+        )
+    return f"{place} names {len(unknown)} unknown shims, {listed(unknown)}; {everything}"
+
+
+def unknown_id_problems(settings: Settings, known: List[str], ignored: bool = True) -> List[str]:
     """A message for each of DISABLE/FORCE that names ids of no shim: one per variable, however
-    many ids it names."""
+    many ids it names; ``ignored`` (a warning, not strict mode's error) says they are ignored."""
     problems = []
     for name, ids in ((ENV_DISABLE, settings.disable), (ENV_FORCE, settings.force)):
         unknown = list(dict.fromkeys(i for i in ids if i not in known))
-        if len(unknown) == 1:
-            problems.append(
-                f"{name} names unknown shim {_shown(unknown[0])}; known shims: "
-                f"{', '.join(sorted(known))}. Ignoring it."
-            )
-        elif unknown:
-            problems.append(
-                f"{name} names {len(unknown)} unknown shims, {listed(unknown)}; known shims: "
-                f"{', '.join(sorted(known))}. Ignoring them."
-            )
+        if unknown:
+            problem = unknown_ids(name, unknown, known)
+            if ignored:
+                stop = "" if problem.endswith("?") else "."
+                problem += f"{stop} Ignoring {'it' if len(unknown) == 1 else 'them'}."
+            problems.append(problem)
     return problems

@@ -102,10 +102,11 @@ class Engine:
             builtin_ids = list(catalog.builtin_ids())
             others, rows, problems = self._gather(load_plugins, builtin_ids, names)
             known = builtin_ids + [s.id for s in others]
-            id_problems = config.unknown_id_problems(settings, known) + _id_problems(known, requested)
+            id_problems = config.unknown_id_problems(settings, known, ignored=not strict_mode)
+            id_problems += _id_problems(known, requested)
             if id_problems and strict_mode:  # strict: a shim id that names nothing is an error
                 # (raised before anything changes: a start-up install this call would replace stays)
-                raise ValueError("; ".join(_refused(p) for p in id_problems))
+                raise ValueError("; ".join(id_problems))
             if self.installed:
                 logger().info(
                     "install() from the program replaces the start-up install (DEVMAP_SHIMS=1): %s",
@@ -285,42 +286,17 @@ class Engine:
         return collect(self)
 
 
-def _refused(problem: str) -> str:
-    """An unknown-id warning as strict mode's error says it: nothing is being ignored."""
-    for tail in (" Ignoring it.", " Ignoring them."):
-        if problem.endswith(tail):
-            return problem[: -len(tail)]
-    return problem
-
-
 def _id_problems(known: List[str], requested: Dict[str, Any]) -> List[str]:
     """A message for each of install(only/exclude/force=...) that names ids of no shim: one per
     id, or, past a few, one per argument."""
-    from devmap_shims.shims.config import SHOWN_NAMES, listed
+    from devmap_shims.shims.config import SHOWN_NAMES, unknown_ids
 
     problems = []
     for name in ("only", "exclude", "force"):
         unknown = list(dict.fromkeys(str(i) for i in requested[name] or () if i not in known))
-        if len(unknown) > SHOWN_NAMES:
-            problems.append(
-                f"install({name}=...) names {len(unknown)} unknown shims, {listed(unknown)}; "
-                f"known shims: {', '.join(sorted(known))}"
-            )
-            continue
-        for shim_id in unknown:
-            close = _close(shim_id, known)
-            problems.append(
-                f"install({name}=...) names unknown shim {shim_id!r}"
-                + (f"; did you mean {close!r}?" if close else f"; known shims: {', '.join(sorted(known))}")
-            )
+        groups = [unknown] if len(unknown) > SHOWN_NAMES else [[shim_id] for shim_id in unknown]
+        problems.extend(unknown_ids(f"install({name}=...)", group, known) for group in groups if group)
     return problems
-
-
-def _close(name: str, known: List[str]) -> Optional[str]:
-    import difflib
-
-    match = difflib.get_close_matches(name, known, n=1)
-    return match[0] if match else None
 
 
 def configure_logging(level: Optional[str]) -> None:

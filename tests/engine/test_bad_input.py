@@ -41,6 +41,19 @@ def test_unknown_ids_in_variables_list_the_known_ones(variable, monkeypatch):
     ]
 
 
+def test_a_mistyped_id_in_a_variable_gets_the_closest_known_one(monkeypatch):
+    settings = config.read_settings({"DEVMAP_SHIMS_DISABLE": "device-map-balanse", "DEVMAP_SHIMS_FORCE": "a,b"})
+    known = ["device-map-balance", "quant-state-follows-weight"]
+    assert config.unknown_id_problems(settings, known) == [
+        "DEVMAP_SHIMS_DISABLE names unknown shim 'device-map-balanse'; did you mean 'device-map-balance'? "
+        "Ignoring it.",
+        "DEVMAP_SHIMS_FORCE names 2 unknown shims, 'a' and 'b'; known shims: device-map-balance, "
+        "quant-state-follows-weight. Ignoring them.",
+    ]
+    refused = config.unknown_id_problems(settings, known, ignored=False)  # strict mode's error
+    assert [p for p in refused if "Ignoring" in p] == [] and refused[0].endswith("'device-map-balance'?")
+
+
 def test_ten_thousand_unknown_ids_are_one_short_warning_each_place(monkeypatch):
     ids = [f"id{i}" for i in range(10_000)]
     monkeypatch.setenv("DEVMAP_SHIMS_DISABLE", ",".join(ids))

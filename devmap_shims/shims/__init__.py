@@ -3,7 +3,8 @@
 What a shim author needs is here: :class:`Shim` and :class:`Target` (the declaration),
 :func:`with_context` and :class:`ShimContext` (state, strict mode and the report for wrappers),
 :class:`ShimError`, :class:`LazyLogger`, :func:`library_call` (library code a repair runs for the
-user: its errors are the user's). The built-in shims live in ``devmap_shims/hooks/<library>/``,
+user: its errors are the user's), :func:`later_call` (shim code run after the hooked call returned,
+under the same fail-open rule). The built-in shims live in ``devmap_shims/hooks/<library>/``,
 one module each. Importing this package is cheap (``import devmap_shims`` does): the registry, and
 with it ``threading``, is imported by ``install()`` or on first use of its names.
 """
@@ -16,7 +17,7 @@ TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/r
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["LazyLogger", "Shim", "ShimContext", "ShimError", "Target", "library_call", "with_context"]
+__all__ = ["LazyLogger", "Shim", "ShimContext", "ShimError", "Target", "later_call", "library_call", "with_context"]
 
 
 class LazyLogger:
@@ -42,8 +43,8 @@ def __getattr__(name: str) -> Any:
         from devmap_shims.shims import registry
 
         return getattr(registry, name)
-    if name == "library_call":
+    if name in ("library_call", "later_call"):
         from devmap_shims.shims import guard
 
-        return guard.library_call
+        return getattr(guard, name)
     raise AttributeError(f"module 'devmap_shims.shims' has no attribute {name!r}")

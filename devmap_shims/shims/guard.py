@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Optional, Tuple
 
 from devmap_shims.shims.record import takes_context
-from devmap_shims.shims.registry import ACTIVE, FAILED, Registry, ShimError, TargetEntry
+from devmap_shims.shims.registry import ACTIVE, FAILED, Registry, ShimContext, ShimEntry, ShimError, TargetEntry
 
 
 def bind_context(repair: Callable[..., Any], context: Any) -> Callable[..., Any]:
@@ -46,7 +46,7 @@ def guarded_call(registry: Registry, entry: TargetEntry, repair: Callable[..., A
                 raise  # ShimError: a repair refusing on purpose (strict mode), not a broken repair
             if getattr(exc, LIBRARY_ERROR, False) or _out_of_memory(exc):
                 raise  # the library's own answer to the user's call (library_call), or no memory left
-            _repair_failed(registry, entry, exc)
+            _repair_failed(registry, entry.shim_entry, entry.target.key, exc)
             if call.called:
                 return call.result
             return wrapped(*args, **kwargs)
@@ -73,18 +73,41 @@ def library_call(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise
 
 
+def later_call(context: ShimContext, where: str, repair: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``repair(*args, **kwargs)`` for shim code that runs after the call it hooked has returned (a
+    function the shim left on an object, as ``hooks-follow-moved-weights`` does on the ``to`` guard
+    that ``dispatch_model`` puts on a model), under :func:`guarded_call`'s rule: if it raises, the
+    shim is switched off with one warning naming ``where`` (:class:`ShimError` in strict mode) and
+    None is returned. Nothing runs (None) once the shim is off: failed, switched off, or
+    uninstalled (``context`` no longer the installed shim's)."""
+    registry = context.registry
+    shim_entry = registry.shims.get(context.shim_id) if registry is not None else None
+    if registry is not None and (shim_entry is None or shim_entry.context is not context or not any(
+        t.enabled and t.state == ACTIVE for t in shim_entry.targets
+    )):
+        return None
+    try:
+        return repair(*args, **kwargs)
+    except Exception as exc:
+        if shim_entry is None or isinstance(exc, ShimError) or getattr(exc, LIBRARY_ERROR, False):
+            raise  # no registry (a wrapper called directly), or on purpose, or the library's own error
+        if _out_of_memory(exc):
+            raise
+        _repair_failed(registry, shim_entry, where, exc)
+        return None
+
+
 def _out_of_memory(exc: BaseException) -> bool:
     """``MemoryError``, or torch's ``OutOfMemoryError`` (for a GPU): the machine's limit, met by the
     work the user asked for, not a broken repair; it goes to the caller and the shim stays on."""
     return isinstance(exc, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__)
 
 
-def _repair_failed(registry: Registry, entry: TargetEntry, exc: BaseException) -> None:
-    shim_entry = entry.shim_entry
+def _repair_failed(registry: Registry, shim_entry: ShimEntry, where: str, exc: BaseException) -> None:
     shim = shim_entry.shim
     shim_entry.call_failures += 1
     failed = (
-        f"shim {shim.id!r} (fixes {', '.join(shim.fixes)}) failed inside {entry.target.key}: "
+        f"shim {shim.id!r} (fixes {', '.join(shim.fixes)}) failed inside {where}: "
         f"{type(exc).__name__}: {exc}."
     )
     if registry.strict:

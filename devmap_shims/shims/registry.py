@@ -51,12 +51,17 @@ class ShimContext:
     does) is never strict and logs its warnings.
     """
 
-    __slots__ = ("shim_id", "state", "_registry")
+    __slots__ = ("shim_id", "state", "_registry", "__weakref__")
 
     def __init__(self, shim: Shim, registry: Optional[Registry] = None) -> None:
         self.shim_id = shim.id
         self.state = shim.state() if shim.state is not None else None
         self._registry = registry
+
+    @property
+    def registry(self) -> Optional[Registry]:
+        """The registry of the install that made this context; None for a context made without one."""
+        return self._registry
 
     @property
     def strict(self) -> bool:

@@ -33,15 +33,11 @@ if TYPE_CHECKING:
 from devmap_shims.calls import argument
 from devmap_shims.devices.accelerate_hooks import GUARDED_METHODS, as_device, hooks_of, is_offloading
 from devmap_shims.scenarios import BugObserved, import_before_simulation, scenario
-from devmap_shims.shims import LazyLogger, Shim, Target, with_context
+from devmap_shims.shims import LazyLogger, Shim, Target, later_call, with_context
 
 BUG_ID = "accelerate-dispatched-to-keeps-hooks"
 
 logger = LazyLogger(__name__)
-
-
-class Installed:
-    """The shim's state while it is installed: guards put on models hold it weakly."""
 
 
 def retarget_hooks(model: Any) -> int:
@@ -65,12 +61,15 @@ def retarget_hooks(model: Any) -> int:
     return changed
 
 
-def _following(guard: Callable[..., Any], model: Any, alive: Any) -> Callable[..., Any]:
+def _following(guard: Callable[..., Any], model: Any, name: str, alive: Any) -> Callable[..., Any]:
+    where = f"{type(model).__name__}.{name} (the guard accelerate's dispatch_model put on the model)"
+
     @functools.wraps(guard)
     def move(*args: Any, **kwargs: Any) -> Any:
         result = guard(*args, **kwargs)
-        if alive() is not None:
-            changed = retarget_hooks(model)
+        context = alive()
+        if context is not None:  # else uninstalled: accelerate's guard alone
+            changed = later_call(context, where, retarget_hooks, model)
             if changed:
                 logger.debug("%s moved: %d accelerate hooks now run it where its weights are", type(model).__name__, changed)
         return result
@@ -85,12 +84,12 @@ def follow_moves(context: Any, wrapped: Callable[..., Any], instance: Any, args:
     result = wrapped(*args, **kwargs)
     _, model = argument(wrapped, "model", args, kwargs)
     namespace = getattr(model, "__dict__", None)
-    if isinstance(namespace, dict) and context.state is not None:
-        alive = weakref.ref(context.state)
+    if isinstance(namespace, dict):
+        alive = weakref.ref(context)
         for name in GUARDED_METHODS:
             guard = namespace.get(name)
             if callable(guard) and hasattr(guard, "__wrapped__") and not getattr(guard, "__devmap_follows__", False):
-                namespace[name] = _following(guard, model, alive)
+                namespace[name] = _following(guard, model, name, alive)
     return result
 
 
@@ -100,7 +99,6 @@ SHIM = Shim(
     targets=(
         Target("accelerate.big_modeling", "dispatch_model", expect_params=("model",), wrapper=follow_moves),
     ),
-    state=Installed,
     summary="after model.to() on a dispatched model, point accelerate's hooks at where the weights went",
 )
 

@@ -106,3 +106,41 @@ def test_only_a_whole_move_retargets_and_offloading_hooks_stay(no_shim):
     model[1]._hf_hook = offloading
     model.to("cuda:1")
     assert hook.retarget_hooks(model) == 1 and offloading.execution_device == 1
+
+
+@SIM
+@pytest.mark.parametrize("strict", [False, True], ids=["fails-open", "strict"])
+def test_a_failing_retarget_leaves_accelerates_move_and_switches_the_shim_off(strict, monkeypatch, caplog):
+    import logging
+
+    import devmap_shims
+    from devmap_shims import ShimError
+
+    calls = []
+
+    def broken(model):
+        calls.append(model)
+        raise ValueError("a hook that cannot be pointed anywhere")
+
+    monkeypatch.setattr(hook, "retarget_hooks", broken)
+    devmap_shims.uninstall()
+    devmap_shims.install(only=[hook.SHIM.id], force=[hook.SHIM.id], strict=strict)
+    try:
+        model = split_model()
+        before = hook_devices(model)
+        with caplog.at_level(logging.WARNING, logger="devmap_shims"):
+            if strict:
+                with pytest.raises(ShimError, match="LlamaForCausalLM.to"):
+                    model.to("cuda:0")
+                return
+            assert model.to("cuda:0") is model  # accelerate's guard moved it and its result comes back
+            model.to("cuda:1")
+        assert {str(p.device) for p in model.parameters()} == {"cuda:1"}
+        assert hook_devices(model) == before and len(calls) == 1  # off after the first failure
+        warnings = [r.getMessage() for r in caplog.records if hook.SHIM.id in r.getMessage()]
+        assert len(warnings) == 1 and "failed inside LlamaForCausalLM.to (the guard accelerate's" in warnings[0]
+        assert "ValueError: a hook that cannot be pointed anywhere" in warnings[0]
+        (entry,) = [s for s in devmap_shims.status()["shims"] if s["id"] == hook.SHIM.id]
+        assert {t["state"] for t in entry["targets"]} == {"failed"}
+    finally:
+        devmap_shims.uninstall()

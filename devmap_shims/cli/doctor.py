@@ -74,9 +74,10 @@ def _devices() -> Dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     import importlib
+    import itertools
 
     from devmap_shims.compat_matrix import row_to_dict
-    from devmap_shims.shims.catalog import shim_of_rows
+    from devmap_shims.shims.catalog import builtin_shims, shim_of_rows
     from devmap_shims.shims.engine import ENGINE
 
     ENGINE.install()
@@ -96,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
     devices = _devices() if not args.no_devices else None
     data = ENGINE.status()
     matrix = ENGINE.registry.matrix()
-    shim_of = shim_of_rows(e.shim for e in ENGINE.registry.shims.values())
+    # the installed shims first (a plugin's included), then the built-in ones, which the registry
+    # lacks when the kill switch is on: a row's shim is the same whatever switches are set
+    shim_of = shim_of_rows(itertools.chain((e.shim for e in ENGINE.registry.shims.values()), builtin_shims()[0]))
     versions = data["versions"]
     applicable = [r for r in matrix.rows if r.applies(versions)]
     data["applicable_rows"] = [row_to_dict(r, shim_of.get(r.id)) for r in applicable]
@@ -179,7 +182,7 @@ def report(data: Dict[str, Any], max_lines: int = MAX_LINES) -> List[str]:
     lines += _heading(data)
     tail: List[str] = []
     if unfixed:
-        names = ", ".join(r["id"] + (f" (shim {r['shim']} {_state_of(shims, r['shim'])})" if r["shim"] else "")
+        names = ", ".join(r["id"] + (f" (shim {r['shim']} {_state_of(data, r['shim'])})" if r["shim"] else "")
                           for r in unfixed)
         tail += ["", f"Bugs here that no active shim fixes ({len(unfixed)}); "
                      "`devmap-shims explain ID` for the workaround:"]
@@ -193,14 +196,20 @@ def report(data: Dict[str, Any], max_lines: int = MAX_LINES) -> List[str]:
     tail += ["", "Each shim's targets: --verbose. Tensors on the wrong device in your model or pipeline:",
              "  devmap_shims.check_devices(model_or_pipe)"]
     head = ["", f"Shims ({len(shims)}): {counts['active']} active, {counts['pending']} pending, "
-                f"{counts['failed']} failed, {counts['skipped']} off"]
+                f"{counts['failed']} failed, {counts['skipped']} off" + (f" ({KILLED})" if data.get("killed") else "")]
     room = max_lines - len(lines) - len(tail) - len(head)
     lines += head + shim_lines(shims, WIDTH, room=room, more="(--verbose lists them)")
     return lines + tail
 
 
-def _state_of(shims: List[Dict[str, Any]], shim_id: str) -> str:
-    state = next((s["state"] for s in shims if s["id"] == shim_id), "missing")
+#: How doctor names the state of every shim while ``DEVMAP_SHIMS=0`` is set.
+KILLED = "kill switch DEVMAP_SHIMS=0"
+
+
+def _state_of(data: Dict[str, Any], shim_id: str) -> str:
+    state = next((s["state"] for s in data["shims"] if s["id"] == shim_id), None)
+    if state is None:
+        return "off" if data.get("killed") else "missing"  # killed: the Shims line says why
     return "off" if state == "skipped" else state
 
 
@@ -212,7 +221,7 @@ def verbose_report(data: Dict[str, Any]) -> List[str]:
     for row in rows:
         text = f"{row['id']} [{row['shim'] or 'no shim: ' + row['workaround']}]"
         lines += wrap(text, WIDTH, "  ", hang="      ", max_lines=2)
-    lines += ["", "Shims:"]
+    lines += ["", f"Shims: none installed ({KILLED})" if data.get("killed") else "Shims:"]
     for shim in data["shims"]:
         state = "OFF" if shim["state"] == "skipped" else shim["state"].upper()
         prefix = f"  {shim['id']:28s} {state:8s}"

@@ -239,3 +239,25 @@ def test_status_summary_says_why_shims_are_off_when_the_user_disabled_them():
     assert n and n.group(1) == n.group(2) and int(n.group(1)) > 0, lines[0]
     assert any(line.strip().startswith(f"{n.group(1)} off (disabled by DEVMAP_SHIMS_DISABLE=*): ")
                for line in lines), proc.stdout
+
+
+def test_the_kill_switch_keeps_each_bugs_shim_named_and_says_why_none_runs(doctor_json):
+    from devmap_shims.shims.catalog import builtin_shims, shim_of_rows
+
+    def doctor(*options):
+        proc = subprocess.run([sys.executable, "-m", "devmap_shims", "doctor", *options], capture_output=True,
+                              text=True, env=env(DEVMAP_SHIMS="0"), timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    killed = json.loads(doctor("--json"))
+    assert killed["killed"] is True and killed["shims"] == []
+    assert killed["applicable_rows"] == doctor_json["applicable_rows"]  # the rows and their shims, as when on
+    shim_of = shim_of_rows(builtin_shims()[0])
+    assert all(row["shim"] == shim_of.get(row["id"]) for row in killed["applicable_rows"])
+    text = doctor("--no-import", "--no-devices")
+    assert "0 off (kill switch DEVMAP_SHIMS=0)" in text
+    verbose = doctor("--verbose", "--no-import", "--no-devices")
+    assert "Shims: none installed (kill switch DEVMAP_SHIMS=0)" in verbose
+    for row in killed["applicable_rows"]:
+        assert f"{row['id']} [{row['shim'] or 'no shim: '}" in verbose.replace("\n      ", " ")

@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from devmap_shims._text import wrap as text_wrap
 from devmap_shims.cli._output import UsageError
@@ -29,8 +29,9 @@ from devmap_shims.compat_matrix.not_affected import not_affected_reason
 WIDTH = 100
 #: seconds after the start past which rows that do not apply are no longer replayed (``--all``: no limit)
 REPLAY_BUDGET_S = 60.0
-#: ``schema_version`` of ``demo --json``; 2 added ``versions``, ``summary`` and ``bugs``
-SCHEMA_VERSION = 2
+#: ``schema_version`` of ``demo --json``; 2 added ``versions``, ``summary`` and ``bugs``, 3
+#: ``broken_shims``
+SCHEMA_VERSION = 3
 
 #: a verdict of a scenario that means something is wrong
 PROBLEM_VERDICTS = ("NOT FIXED", "UNEXPECTED FAILURE", "not reproduced")
@@ -53,11 +54,13 @@ def collect(
     progress: Optional[Callable[[str], None]] = None,
     budget: float = REPLAY_BUDGET_S,
     start: Optional[float] = None,
-) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]], Dict[str, Optional[str]]]:
+) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]], Dict[str, Optional[str]], List[str]]:
     """Replay and account for the matrix rows (``ids``: only those, every one replayed).
 
-    Returns ``(bugs, rows, versions)``: one entry per matrix row (see :func:`bug_entry`), one per
-    replayed scenario (the ``rows`` of ``--json``) and the installed versions. Rows that apply are
+    Returns ``(bugs, rows, versions, broken)``: one entry per matrix row (see :func:`bug_entry`),
+    one per replayed scenario (the ``rows`` of ``--json``), the installed versions, and a message
+    for each built-in shim module that failed to import (its rows then read as if no shim fixed
+    them, and its scenarios are missing: each message is a problem). Rows that apply are
     replayed first; the others while ``budget`` seconds have not passed since ``start`` (a
     ``time.perf_counter()``; default: now), and always with ``replay_all``.
     """
@@ -69,7 +72,7 @@ def collect(
     start = time.perf_counter() if start is None else start
     matrix = load_matrix()
     scenarios = all_scenarios()
-    shims = builtin_shims()[0]
+    shims, broken = builtin_shims()
     shim_of = shim_of_rows(shims)
     summary_of = {shim.id: shim.summary for shim in shims}
     versions = installed_versions(sorted(set(matrix.distributions()) | set(TARGET_DISTRIBUTIONS)))
@@ -101,7 +104,7 @@ def collect(
         for row in chosen
     ]
     rows = [entry for row in chosen for entry in replays.get(row.id, [])]
-    return bugs, rows, versions
+    return bugs, rows, versions, broken
 
 
 def _replay_row(bug_id: str, item: Any, affected: bool, why: str, shim: Optional[str]) -> Dict[str, Any]:
@@ -196,8 +199,9 @@ def bug_entry(
     }
 
 
-def summarize(bugs: List[Dict[str, Any]]) -> Dict[str, int]:
-    """The closing line's numbers, counted from the rows' ``status``."""
+def summarize(bugs: List[Dict[str, Any]], broken: Sequence[str] = ()) -> Dict[str, int]:
+    """The closing line's numbers, counted from the rows' ``status``; each shim module in
+    ``broken`` (it failed to import) is a problem too."""
     count = lambda *statuses: sum(1 for b in bugs if b["status"] in statuses)  # noqa: E731
     return {
         "rows": len(bugs),
@@ -205,7 +209,7 @@ def summarize(bugs: List[Dict[str, Any]]) -> Dict[str, int]:
         "fixed": count("fixed"),
         "shim_not_replayed": count("shim-not-replayed"),
         "workaround_only": count("workaround-only"),
-        "problems": count("problem"),
+        "problems": count("problem") + len(broken),
         "not_affected": sum(1 for b in bugs if not b["affected_here"]),
         "not_affected_replayed": sum(1 for b in bugs if b["status"] == "not-affected" and b["replayed"] == "works"),
     }
@@ -296,11 +300,11 @@ def _not_affected_lines(bugs: List[Dict[str, Any]]) -> List[str]:
 
 
 def render(bugs: List[Dict[str, Any]], rows: List[Dict[str, Any]], versions: Dict[str, Optional[str]],
-           selected: bool = False, seconds: Optional[float] = None) -> str:
-    """The report: versions, a block per row that applies (or misbehaved), a line per other row,
-    the closing line. Every line fits :data:`WIDTH` columns."""
+           selected: bool = False, seconds: Optional[float] = None, broken: Sequence[str] = ()) -> str:
+    """The report: versions, the shim modules that failed to import, a block per row that applies
+    (or misbehaved), a line per other row, the closing line. Every line fits :data:`WIDTH` columns."""
     marks = _marks()
-    summary = summarize(bugs)
+    summary = summarize(bugs, broken)
     replays: Dict[str, List[Dict[str, Any]]] = {}
     for r in rows:
         replays.setdefault(r["bug_id"], []).append(r)
@@ -308,6 +312,11 @@ def render(bugs: List[Dict[str, Any]], rows: List[Dict[str, Any]], versions: Dic
     out = wrap(f"Installed: {installed}.", later="  ")
     out += wrap(f"Replayed on simulated GPUs, without the shims and with them; the compat matrix has "
                 f"{_plural(summary['rows'], 'row', 'rows')}{' asked for' if selected else ''}.")
+    if broken:
+        out += ["", f"Shim modules that failed to import ({len(broken)}); the rows they fix read as "
+                    "having no shim:"]
+        for message in broken:
+            out += wrap(message, f"{marks['bad']} PROBLEM  ", "    ")
     for heading, blocks in (
         ("Known bugs that apply to your stack", [b for b in bugs if b["affected_here"]]),
         ("Rows that do not apply here, yet their replay failed",
@@ -365,19 +374,21 @@ def run(args: argparse.Namespace) -> int:
     quiet_libraries()
     show, done = _progress_printer(sys.stderr, not args.json)
     try:
-        bugs, rows, versions = collect(list(args.ids), args.all, show, start=started)
+        bugs, rows, versions, broken = collect(list(args.ids), args.all, show, start=started)
     except KeyError as exc:
         raise UsageError(str(exc).strip("'\"")) from None
     finally:
         done()
-    summary = summarize(bugs)
+    summary = summarize(bugs, broken)
     if args.json:
         json.dump(
             {"schema_version": SCHEMA_VERSION, "versions": versions, "summary": summary,
-             "seconds": round(time.perf_counter() - started, 1), "bugs": bugs, "rows": rows},
+             "seconds": round(time.perf_counter() - started, 1), "broken_shims": broken, "bugs": bugs,
+             "rows": rows},
             sys.stdout, indent=2,
         )
         sys.stdout.write("\n")
     else:
-        print(render(bugs, rows, versions, selected=bool(args.ids), seconds=time.perf_counter() - started))
+        print(render(bugs, rows, versions, selected=bool(args.ids), seconds=time.perf_counter() - started,
+                     broken=broken))
     return 1 if summary["problems"] else 0

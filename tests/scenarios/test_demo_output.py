@@ -236,3 +236,30 @@ def test_json_keeps_every_row_with_why_it_does_not_apply():
         assert bug["status"] == ("not-affected" if not bug["affected_here"]
                                  else "shim-not-replayed" if row.id in SHIM_OF else "workaround-only")
     assert data["summary"] == demo.summarize(data["bugs"])
+
+
+def test_a_shim_module_that_fails_to_import_is_a_problem_not_a_row_without_a_shim():
+    module = "devmap_shims.hooks.accelerate.hooks_follow_moved_weights"
+    bug_id = "accelerate-dispatched-to-keeps-hooks"
+    assert SHIM_OF[bug_id] == "hooks-follow-moved-weights"
+    code = (f"import sys; sys.modules[{module!r}] = None  # import of it now raises ImportError\n"
+            "from devmap_shims.cli import main; sys.exit(main(sys.argv[1:]))")
+
+    def demo_with_broken_module(*args):
+        return subprocess.run([sys.executable, "-c", code, "demo", *args, bug_id], capture_output=True, text=True,
+                              env=_env(), cwd=REPO, timeout=600)
+
+    proc = demo_with_broken_module("--json")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(proc.stdout)
+    (message,) = data["broken_shims"]
+    assert re.search(rf"built-in shim module {re.escape(module)} failed to import: (ModuleNotFound|Import)Error", message)
+    assert data["summary"]["problems"] == 1 and data["summary"] == demo.summarize(data["bugs"], data["broken_shims"])
+    (bug,) = data["bugs"]
+    assert bug["shim"] is None  # what a broken module leaves: the reason it is counted as a problem
+    proc = demo_with_broken_module()
+    assert proc.returncode == 1
+    lines = proc.stdout.splitlines()
+    assert "Shim modules that failed to import (1); the rows they fix read as having no shim:" in lines
+    assert any(f"PROBLEM  built-in shim module {module}" in line for line in lines), proc.stdout
+    assert "1 problem; 0 scenarios replayed" in proc.stdout and max(map(len, lines)) <= demo.WIDTH

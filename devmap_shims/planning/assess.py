@@ -4,8 +4,9 @@ A map computed for ``device_map="auto" | "balanced" | "balanced_low_0"`` is *deg
 (checked in this order, the first that holds is the verdict):
 
 ``collapsed``
-    two or more GPUs have budget, the model is larger than one balanced share, and every module
-    landed on a single GPU (huggingface/transformers#34751: Gemma-2-27B in 4-bit on 8 GPUs).
+    two or more GPUs have budget, and the one GPU in use holds more than a balanced split of its
+    load over them would (huggingface/transformers#34751: Gemma-2-27B in 4-bit on 8 GPUs, every
+    module on one GPU); a GPU holding a single block, the rest offloaded, is not collapsed.
 ``offloaded``
     modules went to the CPU or disk although some GPU still has room for one of them
     (after keeping aside, on the main GPU, room for the largest offloaded block, which
@@ -234,7 +235,13 @@ def assess(
         problems.append(f"{_dev(d)} holds {format_bytes(per_device[d])}, over its {format_bytes(budgets[d])} budget")
 
     used = [g for g in gpus if loads[g] > 0]
-    collapsed = not in_order and len(active) >= 2 and len(used) == 1 and layout.total > tolerance * bound
+    # collapsed: the one GPU in use holds more than a balanced split of what the GPUs hold would put
+    # on it (blocks offloaded because no GPU can take them do not count: they could not be spread)
+    collapsed = False
+    if not in_order and len(active) >= 2 and len(used) == 1:
+        on_gpus = [size for name, size in zip(layout.placed_names, layout.placed_sizes) if unit_devices[name] in loads]
+        spread = max(int(-(-even_level(loads[used[0]], budgets, low_zero) // 1)), max(on_gpus, default=0))
+        collapsed = loads[used[0]] > tolerance * spread
     if collapsed:
         problems.append(
             f"all modules on GPU {used[0]} while {len(active)} GPUs have budget "

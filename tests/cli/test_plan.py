@@ -342,6 +342,20 @@ def test_the_per_device_text_is_a_table_whose_columns_line_up(capsys, gemma_dir,
     assert len(follow) >= 2, text
 
 
+def test_runs_of_empty_gpus_are_one_row_so_a_large_machine_stays_readable(capsys, gemma_dir, stack_ready):
+    from devmap_shims.cli._plan_text import render
+
+    code, out, _ = run(capsys, str(gemma_dir), "--gpus", "64x80GiB", "--device-map", "sequential", "-q")
+    rows = [line.split()[:2] for line in out.splitlines() if line.startswith("  GPU ")]
+    assert code == 0 and rows == [["GPU", "0"], ["GPU", "1-63"]], out
+    report = json.loads(run(capsys, str(gemma_dir), "--gpus", "64x80GiB", "--device-map", "sequential", "-q",
+                            "--json")[1])
+    report["bytes_per_device"]["5"] = 1
+    report["modules_per_device"]["5"] = ["lm_head"]
+    labels = [line.split()[1] for line in render(report).splitlines() if line.startswith("  GPU ")]
+    assert labels == ["0", "1-4", "5", "6-63"]
+
+
 # -- wrap ------------------------------------------------------------------------------------------------
 
 

@@ -329,3 +329,16 @@ def test_unavoidable_offload_with_room_in_total_blames_the_largest_block():
     reason = a.offload_reason(layout.total)
     assert "as much as the model's 50 B, but not in whole blocks placed in order" in reason
     assert "the largest block (40 B) is larger than every GPU's budget (largest budget 30 B)" in reason
+
+
+def test_one_gpu_holding_what_no_split_could_spread_is_not_collapsed():
+    """A small embedding, then layers larger than every GPU: the embedding on GPU 1 and the rest on
+    the CPU is the best a contiguous placement does (GPU 0 keeps a layer's room free), not a
+    collapse onto one GPU; the same loads with layers that fit the other GPUs are one."""
+    layout = build_layout([("embed", 5)] + [(f"l{i}", 40) for i in range(4)] + [("head", 5)])
+    m = {"embed": 1, **{f"l{i}": "cpu" for i in range(4)}, "head": "cpu"}
+    a = assess(layout, m, gpus(4096, 30, cpu=1000))
+    assert not a.collapsed and a.verdict == OK and a.unavoidable, a.problems
+    spreadable = build_layout([(f"l{i}", 10) for i in range(6)])
+    b = assess(spreadable, {f"l{i}": 1 if i < 3 else "cpu" for i in range(6)}, gpus(4, 30, cpu=1000))
+    assert b.collapsed and b.verdict == COLLAPSED

@@ -53,7 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _escape_what_the_terminal_cannot_show() -> None:
+    """On a stream whose encoding is not UTF-8 (an ASCII locale, ``PYTHONIOENCODING=ascii``), a
+    character it lacks (a bug's ``·``, a path's ``ü``) is printed as a backslash escape instead of
+    ending the command part-way with UnicodeEncodeError."""
+    import codecs
+
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        try:
+            strict_narrow = stream.errors == "strict" and codecs.lookup(stream.encoding).name != "utf-8"
+        except (AttributeError, LookupError, TypeError):
+            continue
+        if reconfigure is not None and strict_narrow:
+            reconfigure(errors="backslashreplace")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    _escape_what_the_terminal_cannot_show()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

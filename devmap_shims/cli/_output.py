@@ -4,7 +4,6 @@ width and JSON output."""
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any, List, Optional
 
 from devmap_shims._text import ELLIPSIS, GROUP_WIDTH, WIDTH, atoms, elide, fit, wrap
@@ -22,8 +21,8 @@ class UsageError(Exception):
 
 
 def print_json(data: Any) -> None:
-    json.dump(data, sys.stdout, indent=2, sort_keys=False, default=str)
-    sys.stdout.write("\n")
+    """``data`` as indented JSON on stdout; nothing when stdout is closed (``>&-``), as ``print``."""
+    print(json.dumps(data, indent=2, sort_keys=False, default=str))
 
 
 def table(rows: List[List[str]], headers: List[str], width: Optional[int] = WIDTH) -> str:

@@ -15,13 +15,12 @@ report; the only other output is one progress line per replay on stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from devmap_shims._text import wrap as text_wrap
-from devmap_shims.cli._output import UsageError
+from devmap_shims.cli._output import UsageError, print_json
 from devmap_shims.cli._quiet import captured, quiet_libraries
 from devmap_shims.compat_matrix.not_affected import not_affected_reason
 
@@ -381,13 +380,9 @@ def run(args: argparse.Namespace) -> int:
         done()
     summary = summarize(bugs, broken)
     if args.json:
-        json.dump(
-            {"schema_version": SCHEMA_VERSION, "versions": versions, "summary": summary,
-             "seconds": round(time.perf_counter() - started, 1), "broken_shims": broken, "bugs": bugs,
-             "rows": rows},
-            sys.stdout, indent=2,
-        )
-        sys.stdout.write("\n")
+        print_json({"schema_version": SCHEMA_VERSION, "versions": versions, "summary": summary,
+                    "seconds": round(time.perf_counter() - started, 1), "broken_shims": broken, "bugs": bugs,
+                    "rows": rows})
     else:
         print(render(bugs, rows, versions, selected=bool(args.ids), seconds=time.perf_counter() - started,
                      broken=broken))

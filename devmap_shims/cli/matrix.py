@@ -83,7 +83,7 @@ def run_matrix(args: argparse.Namespace) -> int:
     from devmap_shims.versions import installed_versions
 
     if args.markdown:
-        sys.stdout.write(builtin_markdown())
+        print(builtin_markdown(), end="")
         return EXIT_OK
     matrix, shims = known()
     shim_of = shim_of_rows(shims)

@@ -24,13 +24,12 @@ offloaded, imbalanced), 2 for a usage error (unreadable config, not a causal LM,
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from devmap_shims.cli._output import EXIT_OK, EXIT_PROBLEM, UsageError, one_line
+from devmap_shims.cli._output import EXIT_OK, EXIT_PROBLEM, UsageError, one_line, print_json
 from devmap_shims.cli._plan_inputs import (
     build_max_memory, default_cpu_memory, parse_caps, quantization_of, read_config_dict,
 )
@@ -126,8 +125,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"the device-map step failed for {path}: {type(exc).__name__}: {one_line(exc)}") from None
     report = reports[0] if len(reports) == 1 else _combined(reports)
     if args.json:
-        json.dump(report, sys.stdout, indent=2, default=str)
-        print()
+        print_json(report)
     else:
         print(render(report) if len(reports) == 1 else render_all(report))
     return EXIT_OK if all(r["verdict"] == "ok" for r in reports) else EXIT_PROBLEM

@@ -154,3 +154,21 @@ def test_run_sets_the_variable():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["1", "True"]
+
+
+def test_a_terminal_without_utf8_gets_escapes_instead_of_a_crash_part_way():
+    from devmap_shims.compat_matrix import load_matrix
+
+    row = next(r for r in load_matrix().rows if any(ord(c) > 127 for c in r.root_cause + r.title + r.symptom))
+    env = dict(os.environ, PYTHONIOENCODING="ascii")
+    for args in (["explain", row.id], ["matrix", "--markdown"]):
+        proc = subprocess.run([sys.executable, "-m", "devmap_shims", *args], capture_output=True, env=env)
+        assert proc.returncode == 0, (args, proc.stderr[-500:])
+        assert proc.stdout.isascii() and (b"\\x" in proc.stdout or b"\\u" in proc.stdout), args
+
+
+def test_a_closed_stdout_ends_every_format_quietly():
+    for args in ("matrix", "matrix --json", "matrix --markdown", "explain accelerate-dispatched-to-keeps-hooks --json"):
+        proc = subprocess.run(["bash", "-c", f"{sys.executable} -m devmap_shims {args} >&-"], capture_output=True,
+                              text=True)
+        assert proc.returncode == 0 and proc.stderr == "", (args, proc.stderr)

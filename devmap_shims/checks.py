@@ -32,7 +32,8 @@ Record = Dict[str, Any]
 def check_devices(obj: Any) -> List[Record]:
     """Every tensor of ``obj`` (a model, a diffusers or transformers pipeline, a dict or list of
     models, or a parameter) that is not on the device its module runs on; ``[]`` when everything is
-    in place.
+    in place. Values of a dict or list that hold no tensor (``pipe.components``' tokenizers,
+    schedulers and ``None``) are skipped.
 
     Each record has ``name`` (dotted path, prefixed by the pipeline component: ``model.`` and
     ``assistant_model.`` for a transformers pipeline), ``kind``
@@ -58,6 +59,7 @@ def _components(
         return
     if id(obj) in _inside:  # a dict or list that holds itself: looked at once
         return
+    nested = bool(_inside)
     _inside = _inside + (id(obj),)
     components = getattr(obj, "components", None)
     if isinstance(components, dict):  # a diffusers pipeline
@@ -79,6 +81,8 @@ def _components(
     if isinstance(obj, (list, tuple)):
         for index, value in enumerate(obj):
             yield from _components(value, torch, _join(prefix, str(index)), _inside)
+        return
+    if nested:  # inside a dict or list (pipe.components): a tokenizer, a scheduler, None hold no tensor
         return
     raise TypeError(
         f"check_devices() takes a torch module, a diffusers pipeline (.components), a transformers pipeline "

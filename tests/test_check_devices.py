@@ -73,6 +73,7 @@ def test_pipelines_dicts_and_lists_prefix_component_names():
     pipe = types.SimpleNamespace(components={"text_encoder": text, "unet": unet, "tokenizer": "not a module", "scheduler": None})
     assert names(check_devices(pipe)) == ["unet.0.bias"]
     assert names(check_devices({"a": text, "b": unet})) == ["b.0.bias"]
+    assert names(check_devices(pipe.components)) == ["unet.0.bias"]  # its tokenizer and None skipped as there
     assert names(check_devices([text, unet])) == ["1.0.bias"]
     holder = {"a": text, "b": unet}
     holder["self"] = holder  # a dict that holds itself is looked at once, not until RecursionError

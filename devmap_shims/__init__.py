@@ -60,7 +60,7 @@ def install(
     """Arm the shims whose bugs apply to the installed versions.
 
     only:    shim ids to consider (default: all).
-    exclude: shim ids to leave off (adds to ``DEVMAP_SHIMS_DISABLE``).
+    exclude: shim ids to leave off (adds to ``DEVMAP_SHIMS_DISABLE``); ``"*"``: every one.
     force:   shim ids to arm even where the matrix says the bug is absent (adds to
              ``DEVMAP_SHIMS_FORCE``).
     strict:  raise :class:`ShimError` when a shim fails instead of logging once and running the

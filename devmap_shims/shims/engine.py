@@ -117,7 +117,7 @@ class Engine:
                 "only": None if requested["only"] is None else set(requested["only"]),
                 "exclude": set(requested["exclude"]) | set(settings.disable),
                 "force": set(requested["force"]) | set(settings.force),
-                "disable_all": settings.disable_all,
+                "disable_all": settings.disable_all or "*" in requested["exclude"],
             }
             for problem in problems + id_problems:
                 registry.warn(problem)
@@ -227,7 +227,8 @@ class Engine:
         selection = self._selection
         why_not = ""
         if selection.get("disable_all"):
-            why_not = "disabled by DEVMAP_SHIMS_DISABLE=*"
+            why_not = "disabled by DEVMAP_SHIMS_DISABLE=*" if "*" not in selection["exclude"] else (
+                "disabled by install(exclude='*')")
         elif selection.get("only") is not None and shim.id not in selection["only"]:
             why_not = "not in install(only=...)"
         elif shim.id in selection.get("exclude", ()):
@@ -293,7 +294,8 @@ def _id_problems(known: List[str], requested: Dict[str, Any]) -> List[str]:
 
     problems = []
     for name in ("only", "exclude", "force"):
-        unknown = list(dict.fromkeys(str(i) for i in requested[name] or () if i not in known))
+        unknown = list(dict.fromkeys(str(i) for i in requested[name] or ()
+                                     if i not in known and not (name == "exclude" and i == "*")))
         groups = [unknown] if len(unknown) > SHOWN_NAMES else [[shim_id] for shim_id in unknown]
         problems.extend(unknown_ids(f"install({name}=...)", group, known) for group in groups if group)
     return problems

@@ -458,6 +458,22 @@ def test_env_disable_and_force(fake_stack, monkeypatch):
     assert fakelib.core.compute(3) == 6
 
 
+def test_exclude_star_leaves_every_shim_off_as_the_variable_does(fake_stack, caplog):
+    register_fake()
+    with caplog.at_level(logging.WARNING, logger="devmap_shims"):
+        devmap_shims.install(exclude="*")
+    import fakelib.core
+
+    assert fakelib.core.compute(3) == 6  # the bug, unrepaired
+    (entry,) = [s for s in devmap_shims.status()["shims"] if s["id"] == "fake-fix"]
+    assert entry["state"] == "skipped" and not entry["selected"]
+    assert {t["reason"] for t in entry["targets"]} == {"disabled by install(exclude='*')"}
+    assert "unknown shim" not in caplog.text
+    devmap_shims.uninstall()
+    devmap_shims.install(exclude=["*"], force=["fake-fix"])  # force does not override a switch-off
+    assert fakelib.core.compute(3) == 6
+
+
 def test_repair_sees_the_original_through_wrapped(fake_stack):
     """Repairs bind arguments by name: inspect.signature(wrapped) must be the original's."""
     seen = []

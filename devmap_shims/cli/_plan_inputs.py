@@ -78,7 +78,10 @@ def _check_plausible(data: Dict[str, Any], path: Path) -> None:
         value = data.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LAYERS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UsageError(f"{path}: {key} = {json.dumps(value)[:40]} is not a whole number of layers "
+                             f"(a JSON integer from 1 to {MAX_LAYERS})")
+        if not 1 <= value <= MAX_LAYERS:
             raise UsageError(f"{path}: {key} = {str(value)[:40]} (plan builds models of 1 to {MAX_LAYERS} layers)")
     total = 0
     stack: List[Tuple[str, Dict[str, Any]]] = [("", data)]

@@ -46,7 +46,9 @@ def assert_one_line_usage_error(code, out, err, *phrases):
 @pytest.mark.parametrize("changes, phrase", [
     ({"num_hidden_layers": 0}, "num_hidden_layers = 0"),
     ({"num_hidden_layers": 10**6}, "1 to 4096 layers"),
-    ({"num_hidden_layers": "many"}, "num_hidden_layers = many"),
+    ({"num_hidden_layers": "many"}, 'num_hidden_layers = "many" is not a whole number of layers'),
+    ({"num_hidden_layers": "32"}, 'num_hidden_layers = "32" is not a whole number of layers (a JSON integer'),
+    ({"num_hidden_layers": 32.0}, "num_hidden_layers = 32.0 is not a whole number of layers"),
     ({"hidden_size": 10**30}, "larger than any model dimension"),
     # counts the top-level check does not see: an encoder-decoder's, a sub-config's
     ({"decoder_layers": 10**5}, "decoder_layers = 100000 (plan builds models of 1 to 4096 layers)"),

@@ -9,7 +9,7 @@ replayed too while the time budget lasts (``--all``: every one), to show the lib
 Needs no GPU, no network and no weights: every scenario builds a tiny model from a config in code
 and runs it on the simulated multi-GPU machine of :mod:`devmap_shims.testing`. The libraries'
 progress bars and warnings are switched off and whatever a scenario prints is kept out of the
-report; the only other output is one progress line per replay on stderr.
+report; the only other output is one progress line per replay on stderr (``--json`` too).
 """
 
 from __future__ import annotations
@@ -371,7 +371,7 @@ def _progress_printer(stream: Any, enabled: bool) -> Tuple[Callable[[str], None]
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     quiet_libraries()
-    show, done = _progress_printer(sys.stderr, not args.json)
+    show, done = _progress_printer(sys.stderr, True)  # stderr: --json keeps stdout for the JSON alone
     try:
         bugs, rows, versions, broken = collect(list(args.ids), args.all, show, start=started)
     except KeyError as exc:

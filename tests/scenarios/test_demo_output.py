@@ -263,3 +263,15 @@ def test_a_shim_module_that_fails_to_import_is_a_problem_not_a_row_without_a_shi
     assert "Shim modules that failed to import (1); the rows they fix read as having no shim:" in lines
     assert any(f"PROBLEM  built-in shim module {module}" in line for line in lines), proc.stdout
     assert "1 problem; 0 scenarios replayed" in proc.stdout and max(map(len, lines)) <= demo.WIDTH
+
+
+def test_json_output_keeps_stdout_for_the_json_and_the_progress_lines_on_stderr():
+    row = _row_to_replay(False) or _row_to_replay(True)
+    if row is None:
+        pytest.skip("no row with a scenario that runs on this stack")
+    proc = _cli("--json", row.id)
+    data = json.loads(proc.stdout)
+    assert [r["bug_id"] for r in data["rows"]] == [row.id] * len(SCENARIOS[row.id])
+    lines = proc.stderr.splitlines()
+    assert lines == [f"[{i}/{len(lines)}] replaying {row.id} ..." for i in range(1, len(lines) + 1)], proc.stderr
+    assert len(lines) == len(SCENARIOS[row.id])

@@ -19,8 +19,10 @@ its map call runs on that thread (:mod:`devmap_shims.hooks.accelerate._map_input
 plainly meets every rule is kept from those sizes alone
 (:func:`devmap_shims.planning.plainly_healthy`); only other maps have the model's layout walked.
 
-The placement arithmetic is :mod:`devmap_shims.planning`. Healthy maps, ``sequential`` maps and
-explicit dict maps are returned unchanged (the very same object).
+The placement arithmetic is :mod:`devmap_shims.planning`. Healthy maps, ``sequential`` maps,
+explicit dict maps and maps for fewer than two GPUs are returned unchanged (the very same object):
+with one GPU there is nothing to spread, and the library's budget there keeps 10 % free on purpose
+when no ``max_memory`` is given, which budgets read back from the user's would not.
 
 Rows (generated from known_bugs.toml by scripts/regenerate.py):
     balanced-memory-large-unquantized-embedding-collapse
@@ -245,7 +247,11 @@ def maybe_repair(
     ``layout`` builds the model's :class:`~devmap_shims.planning.Layout`; it is called only when
     the library's own ``sizes`` (when known) leave the map's health in doubt."""
     from devmap_shims.planning import plainly_healthy, repair
+    from devmap_shims.planning.assess import gpu_ids
 
+    if len(gpu_ids(budgets)) < 2:  # nothing to spread; and on one GPU the library keeps 10 % free on
+        logger.debug("device map kept: fewer than two GPUs")  # purpose when max_memory is not given
+        return result
     if sizes is not None and plainly_healthy(result, sizes, budgets, low_zero):
         logger.debug("device map kept: map is healthy")
         return result

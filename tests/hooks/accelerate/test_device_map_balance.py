@@ -326,3 +326,28 @@ def test_status_reports_the_shim_active(installed):
         (entry,) = [s for s in status["shims"] if s["id"] == hook.SHIM.id]
         states = {t["target"]: t["state"] for t in entry["targets"]}
         assert states["transformers.integrations.accelerate:_get_device_map"] == "active"
+
+
+@pytest.mark.simulated_gpus(n=1, memory="1GiB")
+def test_one_gpu_keeps_the_headroom_the_library_leaves_there(installed):
+    """With no max_memory and a single GPU, get_balanced_memory keeps 10 % of it free for
+    activations; the library's map, which offloads what does not fit in the other 90 %, stays."""
+    import torch
+    from accelerate import init_empty_weights
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4096, 6000, bias=False) for _ in range(10))
+
+    with init_empty_weights():
+        model = Stack()
+
+    def library_map():
+        budgets = am.get_balanced_memory(model, no_split_module_classes=["Linear"])
+        return dict(am.infer_auto_device_map(model, max_memory=budgets, no_split_module_classes=["Linear"]))
+
+    with_shim = library_map()
+    devmap_shims.uninstall()
+    assert with_shim == library_map()
+    assert "cpu" in with_shim.values(), with_shim  # the 90 % the library allows is too small for all ten

@@ -10,8 +10,10 @@ In strict mode a ``from_pretrained(device_map="auto" | "balanced" ...)`` that wo
 several GPUs under a launch raises before loading, not after.
 
 Not flagged: a model loaded with an explicit ``device_map`` dict (the user placed it on purpose),
-and ranks that were given GPU sets of their own: this process's ``CUDA_VISIBLE_DEVICES`` differs
-from the launcher's (its parent process's, read from ``/proc`` on Linux).
+ranks that were given GPU sets of their own (this process's ``CUDA_VISIBLE_DEVICES`` differs from
+the launcher's, its parent process's, read from ``/proc`` on Linux), and a launch with one process
+per machine (``LOCAL_WORLD_SIZE=1``). Before a load, strict mode counts only the GPUs the call's
+``max_memory`` gives a budget, and waits for the load with ``sequential``.
 
 Rows (generated from known_bugs.toml by scripts/regenerate.py):
     device-map-auto-generate-hang-grpo
@@ -57,6 +59,8 @@ def _launch() -> Optional[Tuple[int, int, Optional[int]]]:
         rank = _int_env("RANK", 0)
     if world <= 1:
         return None
+    if _int_env("LOCAL_WORLD_SIZE", 2) <= 1:  # one process on this machine (torchrun --nnodes=N
+        return None  # --nproc_per_node=1): no other rank shares its GPUs
     local = _int_env("LOCAL_RANK", None)
     return int(rank), int(world), local
 
@@ -157,6 +161,9 @@ def check(context: Any, model: Any, where: str, gpus: Optional[List[str]] = None
 
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+#: the strategies that spread a model over every GPU with a budget, so that strict mode can refuse
+#: before loading (``sequential`` keeps a model that fits one GPU there: judged after the load)
+SPREADING = ("auto", "balanced", "balanced_low_0")
 
 
 @with_context
@@ -166,8 +173,8 @@ def check_after_from_pretrained(context: Any, wrapped: Callable[..., Any], insta
     device_map = kwargs.get("device_map")
     if isinstance(device_map, dict):
         return wrapped(*args, **kwargs)  # placed by hand, on purpose
-    if context.strict and not context.state.given and device_map in STRATEGIES:
-        gpus = _visible_gpus()
+    if context.strict and not context.state.given and device_map in SPREADING:
+        gpus = _budgeted_gpus(kwargs.get("max_memory"))
         if len(gpus) > 1:
             check(context, None, f"{getattr(instance, '__name__', 'model')}.from_pretrained(device_map={device_map!r})",
                   gpus)
@@ -177,6 +184,19 @@ def check_after_from_pretrained(context: Any, wrapped: Callable[..., Any], insta
         if isinstance(getattr(model, "hf_device_map", None), dict):
             check(context, model, f"{type(model).__name__}.from_pretrained")
     return result
+
+
+def _budgeted_gpus(max_memory: Any) -> List[str]:
+    """The visible GPUs a ``from_pretrained(max_memory=...)`` leaves a budget on (all without one)."""
+    gpus = _visible_gpus()
+    if not isinstance(max_memory, dict):
+        return gpus
+    named = set()
+    for key, value in max_memory.items():
+        name = _gpu_name(int(key) if isinstance(key, str) and key.isdigit() else key)
+        if name is not None and not (isinstance(value, (int, float)) and value <= 0):
+            named.add(name)
+    return [gpu for gpu in gpus if gpu in named]
 
 
 def _visible_gpus() -> List[str]:

@@ -89,6 +89,38 @@ def test_ranks_with_gpu_sets_of_their_own_are_fine(launch, monkeypatch):
     assert not hook.has_own_gpus() and hook.sharding_message(sharded, "x") is not None
 
 
+def test_one_process_per_machine_shares_no_gpu(launch, monkeypatch):
+    """torchrun --nnodes=2 --nproc_per_node=1: one sharded copy per machine is the layout the
+    warning itself recommends."""
+    sharded = _Model({"model": 0, "lm_head": 1})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert hook.sharding_message(sharded, "x") is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert hook.sharding_message(sharded, "x") is not None
+
+
+@pytest.mark.parametrize("device_map, max_memory, refused", [
+    ("auto", {0: "20GiB", 1: "20GiB"}, True),
+    ("auto", {"0": "20GiB", "1": "20GiB", "cpu": "100GiB"}, True),
+    ("auto", {1: "20GiB", "cpu": "100GiB"}, False),  # this rank's own GPU, chosen by budget
+    ("balanced", {0: 0, 1: "20GiB"}, False),
+    ("sequential", None, False),  # a model that fits GPU 0 stays there: judged after the load
+])
+def test_strict_mode_before_loading_counts_the_gpus_the_budgets_allow(
+    launch, context, registry, monkeypatch, device_map, max_memory, refused
+):
+    registry.strict = True
+    monkeypatch.setattr(hook, "_visible_gpus", lambda: ["cuda:0", "cuda:1"])
+    after_load = bind_context(hook.check_after_from_pretrained, context)
+    one_gpu = _Model({"": 1})
+    load = (lambda *a, **k: one_gpu, None, ("path",), {"device_map": device_map, "max_memory": max_memory})
+    if refused:
+        with pytest.raises(ShimError, match="process 1 of 2"):
+            after_load(*load)
+    else:
+        assert after_load(*load) is one_gpu and registry.warnings == []
+
+
 def test_an_explicit_device_map_dict_is_the_users_choice(launch, context, registry):
     after_load = bind_context(hook.check_after_from_pretrained, context)
     sharded = _Model({"model": 0, "lm_head": 1})

@@ -36,7 +36,7 @@ OTHER_PYTHON_STACKS = (("legacy-2024-py3.10", "legacy-2024-py3.10", "3.10"),)
 #: release; it runs those rows' scenarios and the shim contract, not the whole suite.
 POINT_STACKS = (
     ("point-accelerate-1.2.0", ("accelerate-infer-map-maxmem-none", "accelerate-tied-size-overcount"),
-     ("tests/hooks/accelerate/test_tied_sizes_counted_once.py",)),
+     ("tests/hooks/accelerate/test_tied_sizes_counted_once.py", "tests/hooks/accelerate/test_device_map_balance.py")),
     ("point-transformers-4.44.0", ("transformers-static-cache-multigpu",), ()),
     ("point-transformers-4.54.0", ("transformers-4540-cache-layers-on-last-gpu", "transformers-cache-built-without-layer-map"),
      ("tests/hooks/transformers/test_cache_follows_layer.py",)),

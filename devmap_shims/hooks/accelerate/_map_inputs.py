@@ -79,12 +79,14 @@ def remember_map_inputs(context: Any, wrapped: Callable[..., Any], instance: Any
     the placer makes for every module's buffers."""
     result = wrapped(*args, **kwargs)
     seen = context.state.seen
-    if seen.model is not None and type(result) is tuple and len(result) == 8 \
-            and isinstance(result[4], dict) and isinstance(result[5], list):
+    # (devices, max_memory, main_devices, gpus, module_sizes, tied_parameters, ...): 8 items; accelerate
+    # 1.2.0 returned 7, without max_memory
+    at = {8: 4, 7: 3}.get(len(result), 0) if type(result) is tuple else 0
+    if seen.model is not None and at and isinstance(result[at], dict) and isinstance(result[at + 1], list):
         arguments = bind(wrapped, args, kwargs)
         if arguments.get("model") is seen.model:
-            seen.sizes.append((arguments, result[4]))
-            seen.tied = result[5]
+            seen.sizes.append((arguments, result[at]))
+            seen.tied = result[at + 1]
     return result
 
 

@@ -32,8 +32,8 @@ Record = Dict[str, Any]
 def check_devices(obj: Any) -> List[Record]:
     """Every tensor of ``obj`` (a model, a diffusers or transformers pipeline, a dict or list of
     models, or a parameter) that is not on the device its module runs on; ``[]`` when everything is
-    in place. Values of a dict or list that hold no tensor (``pipe.components``' tokenizers,
-    schedulers and ``None``) are skipped.
+    in place. Values of a dict or list that are no model (``pipe.components``' tokenizers,
+    schedulers and ``None``) are skipped; one that holds a model among its attributes is refused.
 
     Each record has ``name`` (dotted path, prefixed by the pipeline component: ``model.`` and
     ``assistant_model.`` for a transformers pipeline), ``kind``
@@ -82,12 +82,22 @@ def _components(
         for index, value in enumerate(obj):
             yield from _components(value, torch, _join(prefix, str(index)), _inside)
         return
-    if nested:  # inside a dict or list (pipe.components): a tokenizer, a scheduler, None hold no tensor
+    if nested and not _holds_a_module(obj, torch):  # in pipe.components: a tokenizer, a scheduler, None
         return
     raise TypeError(
         f"check_devices() takes a torch module, a diffusers pipeline (.components), a transformers pipeline "
         f"(.model), a dict or list of them, or a tensor; got {type(obj).__name__}"
     )
+
+
+def _holds_a_module(obj: Any, torch: Any) -> bool:
+    """Whether one of ``obj``'s attributes is a torch module (a trainer holding its model): such an
+    object is refused rather than passed over as holding nothing to check."""
+    try:
+        values = list(vars(obj).values())
+    except TypeError:  # no __dict__: None, a number, a string
+        return False
+    return any(isinstance(value, torch.nn.Module) for value in values)
 
 
 def _join(prefix: str, name: str) -> str:

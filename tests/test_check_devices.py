@@ -83,6 +83,10 @@ def test_pipelines_dicts_and_lists_prefix_component_names():
 def test_unsupported_objects_are_refused_with_a_message():
     with pytest.raises(TypeError, match="check_devices"):
         check_devices(42)
+    trainer = types.SimpleNamespace(net=model(), steps=3)  # holds a model it cannot see into
+    for holder in (trainer, {"run": trainer}, [model(), trainer]):
+        with pytest.raises(TypeError, match="got SimpleNamespace"):
+            check_devices(holder)
 
 
 @SIM

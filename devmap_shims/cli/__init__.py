@@ -3,16 +3,18 @@
 One module per subcommand, each with ``add_arguments(parser)`` and ``run(args) -> exit code``;
 they share :mod:`._output` (exit codes, :class:`UsageError`, tables, JSON).
 
-Exit codes: 0 success, 1 the command ran and found a problem (``demo`` with a failing scenario,
-``plan`` with a degenerate map), 2 usage error (unknown command, bad arguments, unreadable input).
+Exit codes: 0 success, 1 the command ran and found a problem (``demo`` with a failing scenario or
+a shim module that fails to import, ``plan`` with a degenerate map), 2 usage error (unknown
+command, bad arguments, unreadable input).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from devmap_shims.cli._output import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, UsageError
 
@@ -53,24 +55,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _escape_what_the_terminal_cannot_show() -> None:
-    """On a stream whose encoding is not UTF-8 (an ASCII locale, ``PYTHONIOENCODING=ascii``), a
-    character it lacks (a bug's ``·``, a path's ``ü``) is printed as a backslash escape instead of
-    ending the command part-way with UnicodeEncodeError."""
-    import codecs
+@contextlib.contextmanager
+def _streams() -> Iterator[None]:
+    """The command's view of stdout and stderr, given back as it was when the command ends (a host
+    program may call :func:`main` in-process):
 
+    * on a stream whose encoding is not UTF-8 (an ASCII locale, ``PYTHONIOENCODING=ascii``), a
+      character it lacks (a bug's ``·``, a path's ``ü``) is printed as a backslash escape instead
+      of ending the command part-way with UnicodeEncodeError;
+    * a closed stderr (``2>&-``: ``sys.stderr`` is None) takes progress lines and errors into a
+      sink, where ``print(file=None)`` would write them onto stdout, into the JSON.
+    """
+    import codecs
+    import os
+
+    changed = []
     for stream in (sys.stdout, sys.stderr):
-        reconfigure = getattr(stream, "reconfigure", None)
         try:
-            strict_narrow = stream.errors == "strict" and codecs.lookup(stream.encoding).name != "utf-8"
+            narrow = stream.errors in ("strict", "surrogateescape") and codecs.lookup(stream.encoding).name != "utf-8"
         except (AttributeError, LookupError, TypeError):
             continue
-        if reconfigure is not None and strict_narrow:
-            reconfigure(errors="backslashreplace")
+        if narrow and callable(getattr(stream, "reconfigure", None)):
+            changed.append((stream, stream.errors))
+            stream.reconfigure(errors="backslashreplace")
+    sink = open(os.devnull, "w") if sys.stderr is None else None
+    if sink is not None:
+        sys.stderr = sink
+    try:
+        yield
+    finally:
+        if sink is not None and sys.stderr is sink:
+            sys.stderr = None
+            sink.close()
+        for stream, errors in changed:
+            try:
+                stream.reconfigure(errors=errors)
+            except (AttributeError, ValueError):  # closed by the command's own output
+                pass
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    _escape_what_the_terminal_cannot_show()
+    with _streams():
+        return _main(argv)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

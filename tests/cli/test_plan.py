@@ -224,6 +224,15 @@ def test_progress_goes_to_stderr_and_never_into_json(capsys, gemma_dir, stack_re
     assert "plan:" not in out
 
 
+def test_json_stays_clean_when_stderr_is_closed(gemma_dir, stack_ready):
+    import subprocess
+    import sys
+
+    command = f"{sys.executable} -m devmap_shims plan {gemma_dir} --gpus 8x23GiB --quantization 4bit --json 2>&-"
+    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["verdict"] == "ok", proc.stdout[:500]
+
+
 def test_quiet_prints_nothing_on_stderr(capsys, gemma_dir, stack_ready):
     code, out, err = run(capsys, str(gemma_dir), "--gpus", "8x23GiB", "--quantization", "4bit",
                          "--cpu-memory", "180GiB", "--quiet")

@@ -160,11 +160,33 @@ def test_a_terminal_without_utf8_gets_escapes_instead_of_a_crash_part_way():
     from devmap_shims.compat_matrix import load_matrix
 
     row = next(r for r in load_matrix().rows if any(ord(c) > 127 for c in r.root_cause + r.title + r.symptom))
-    env = dict(os.environ, PYTHONIOENCODING="ascii")
-    for args in (["explain", row.id], ["matrix", "--markdown"]):
-        proc = subprocess.run([sys.executable, "-m", "devmap_shims", *args], capture_output=True, env=env)
-        assert proc.returncode == 0, (args, proc.stderr[-500:])
-        assert proc.stdout.isascii() and (b"\\x" in proc.stdout or b"\\u" in proc.stdout), args
+    ascii_io = dict(os.environ, PYTHONIOENCODING="ascii")
+    c_locale = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG", "PYTHONIOENCODING"))}
+    c_locale.update(LC_ALL="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0")  # ascii, errors=surrogateescape
+    for env in (ascii_io, c_locale):
+        for args in (["explain", row.id], ["matrix", "--markdown"]):
+            proc = subprocess.run([sys.executable, "-m", "devmap_shims", *args], capture_output=True, env=env)
+            assert proc.returncode == 0, (args, proc.stderr[-500:])
+            assert proc.stdout.isascii() and (b"\\x" in proc.stdout or b"\\u" in proc.stdout), args
+
+
+def test_main_called_in_process_gives_the_hosts_streams_back_as_they_were(monkeypatch):
+    import io
+
+    from devmap_shims.compat_matrix import load_matrix
+
+    row = next(r for r in load_matrix().rows if any(ord(c) > 127 for c in r.root_cause + r.title + r.symptom))
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", stream)
+    assert main(["explain", row.id]) == 0
+    assert stream.errors == "strict"  # the host's setting again
+    stream.flush()
+    assert b"\\x" in raw.getvalue() or b"\\u" in raw.getvalue()
+    monkeypatch.setattr(sys, "stderr", None)
+    assert main(["matrix", "--library", "tensorflow"]) == 2 and sys.stderr is None
+    stream.flush()
+    assert b"tensorflow" not in raw.getvalue()  # the error of a closed stderr is not written to stdout
 
 
 def test_a_closed_stdout_ends_every_format_quietly():

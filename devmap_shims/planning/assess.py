@@ -237,19 +237,22 @@ def assess(
     used = [g for g in gpus if loads[g] > 0]
     # collapsed: the one GPU in use holds more than a balanced split of what the GPUs hold would put
     # on it (blocks offloaded because no GPU can take them do not count: they could not be spread)
+    # accelerate keeps room on its main GPU (the first) to stream an offloaded block back in
+    reserve = max(offloaded_sizes, default=0)
     collapsed = False
     if not in_order and len(active) >= 2 and len(used) == 1:
         on_gpus = [size for name, size in zip(layout.placed_names, layout.placed_sizes) if unit_devices[name] in loads]
         spread = max(int(-(-even_level(loads[used[0]], budgets, low_zero) // 1)), max(on_gpus, default=0))
-        collapsed = loads[used[0]] > tolerance * spread
+        smallest = min([size for size in on_gpus if size], default=0)
+        # and another GPU could take one of its blocks (GPU 0 less what it keeps for streaming)
+        room_elsewhere = any(budgets[g] - (reserve if g == gpus[0] else 0) >= smallest for g in active if g != used[0])
+        collapsed = loads[used[0]] > tolerance * spread and room_elsewhere
     if collapsed:
         problems.append(
             f"all modules on GPU {used[0]} while {len(active)} GPUs have budget "
             f"(a balanced split needs about {format_bytes(bound)} per GPU)"
         )
 
-    # accelerate keeps room on its main GPU (the first) to stream an offloaded block back in
-    reserve = max(offloaded_sizes, default=0)
     unavoidable = False
     if offloaded_sizes:
         necessary = unavoidable_offload(layout, budgets, reserve)

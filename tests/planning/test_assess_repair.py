@@ -339,6 +339,10 @@ def test_one_gpu_holding_what_no_split_could_spread_is_not_collapsed():
     m = {"embed": 1, **{f"l{i}": "cpu" for i in range(4)}, "head": "cpu"}
     a = assess(layout, m, gpus(4096, 30, cpu=1000))
     assert not a.collapsed and a.verdict == OK and a.unavoidable, a.problems
+    # GPU 0 (3) less the room it keeps for streaming an offloaded block (4) takes no block of 4
+    small_gpu0 = build_layout([(f"l{i}", 4) for i in range(10)])
+    c = assess(small_gpu0, {f"l{i}": 1 if i < 3 else "cpu" for i in range(10)}, {0: 3, 1: 12, "cpu": 1000})
+    assert not c.collapsed and c.verdict == OK and c.unavoidable, c.problems
     spreadable = build_layout([(f"l{i}", 10) for i in range(6)])
     b = assess(spreadable, {f"l{i}": 1 if i < 3 else "cpu" for i in range(6)}, gpus(4, 30, cpu=1000))
     assert b.collapsed and b.verdict == COLLAPSED

@@ -4,9 +4,10 @@ A map computed for ``device_map="auto" | "balanced" | "balanced_low_0"`` is *deg
 (checked in this order, the first that holds is the verdict):
 
 ``collapsed``
-    two or more GPUs have budget, and the one GPU in use holds more than a balanced split of its
-    load over them would (huggingface/transformers#34751: Gemma-2-27B in 4-bit on 8 GPUs, every
-    module on one GPU); a GPU holding a single block, the rest offloaded, is not collapsed.
+    two or more GPUs have budget, the one GPU in use holds more than a balanced split of its load
+    over them would, and another GPU could take one of its blocks (GPU 0 less the room it keeps for
+    streaming offloaded blocks) (huggingface/transformers#34751: Gemma-2-27B in 4-bit on 8 GPUs,
+    every module on one GPU); a GPU holding a single block, the rest offloaded, is not collapsed.
 ``offloaded``
     modules went to the CPU or disk although some GPU still has room for one of them
     (after keeping aside, on the main GPU, room for the largest offloaded block, which

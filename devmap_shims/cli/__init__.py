@@ -72,7 +72,8 @@ def _streams() -> Iterator[None]:
     changed = []
     for stream in (sys.stdout, sys.stderr):
         try:
-            narrow = stream.errors in ("strict", "surrogateescape") and codecs.lookup(stream.encoding).name != "utf-8"
+            narrow = stream.errors in ("strict", "surrogateescape") and (
+                codecs.lookup(stream.encoding).name != "utf-8")
         except (AttributeError, LookupError, TypeError):
             continue
         if narrow and callable(getattr(stream, "reconfigure", None)):

@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     matrix = ENGINE.registry.matrix()
     # the installed shims first (a plugin's included), then the built-in ones, which the registry
     # lacks when the kill switch is on: a row's shim is the same whatever switches are set
-    shim_of = shim_of_rows(itertools.chain((e.shim for e in ENGINE.registry.shims.values()), builtin_shims()[0]))
+    installed = (e.shim for e in ENGINE.registry.shims.values())
+    shim_of = shim_of_rows(itertools.chain(installed, builtin_shims()[0]))
     versions = data["versions"]
     applicable = [r for r in matrix.rows if r.applies(versions)]
     data["applicable_rows"] = [row_to_dict(r, shim_of.get(r.id)) for r in applicable]
@@ -195,8 +196,9 @@ def report(data: Dict[str, Any], max_lines: int = MAX_LINES) -> List[str]:
             tail.append(f"and {len(warnings) - 2} more warnings (--json lists them)")
     tail += ["", "Each shim's targets: --verbose. Tensors on the wrong device in your model or pipeline:",
              "  devmap_shims.check_devices(model_or_pipe)"]
+    killed = f" ({KILLED})" if data.get("killed") else ""
     head = ["", f"Shims ({len(shims)}): {counts['active']} active, {counts['pending']} pending, "
-                f"{counts['failed']} failed, {counts['skipped']} off" + (f" ({KILLED})" if data.get("killed") else "")]
+                f"{counts['failed']} failed, {counts['skipped']} off{killed}"]
     room = max_lines - len(lines) - len(tail) - len(head)
     lines += head + shim_lines(shims, WIDTH, room=room, more="(--verbose lists them)")
     return lines + tail

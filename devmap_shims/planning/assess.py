@@ -242,11 +242,14 @@ def assess(
     reserve = max(offloaded_sizes, default=0)
     collapsed = False
     if not in_order and len(active) >= 2 and len(used) == 1:
-        on_gpus = [size for name, size in zip(layout.placed_names, layout.placed_sizes) if unit_devices[name] in loads]
+        placed = zip(layout.placed_names, layout.placed_sizes)
+        on_gpus = [size for name, size in placed if unit_devices[name] in loads]
         spread = max(int(-(-even_level(loads[used[0]], budgets, low_zero) // 1)), max(on_gpus, default=0))
         smallest = min([size for size in on_gpus if size], default=0)
         # and another GPU could take one of its blocks (GPU 0 less what it keeps for streaming)
-        room_elsewhere = any(budgets[g] - (reserve if g == gpus[0] else 0) >= smallest for g in active if g != used[0])
+        room_elsewhere = any(
+            budgets[g] - (reserve if g == gpus[0] else 0) >= smallest for g in active if g != used[0]
+        )
         collapsed = loads[used[0]] > tolerance * spread and room_elsewhere
     if collapsed:
         problems.append(

@@ -17,7 +17,9 @@ TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/r
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["LazyLogger", "Shim", "ShimContext", "ShimError", "Target", "later_call", "library_call", "with_context"]
+__all__ = [
+    "LazyLogger", "Shim", "ShimContext", "ShimError", "Target", "later_call", "library_call", "with_context",
+]
 
 
 class LazyLogger:

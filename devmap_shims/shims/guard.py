@@ -13,7 +13,9 @@ if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Optional, Tuple
 
 from devmap_shims.shims.record import takes_context
-from devmap_shims.shims.registry import ACTIVE, FAILED, Registry, ShimContext, ShimEntry, ShimError, TargetEntry
+from devmap_shims.shims.registry import (
+    ACTIVE, FAILED, Registry, ShimContext, ShimEntry, ShimError, TargetEntry,
+)
 
 
 def bind_context(repair: Callable[..., Any], context: Any) -> Callable[..., Any]:
@@ -73,7 +75,9 @@ def library_call(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise
 
 
-def later_call(context: ShimContext, where: str, repair: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def later_call(
+    context: ShimContext, where: str, repair: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
     """``repair(*args, **kwargs)`` for shim code that runs after the call it hooked has returned (a
     function the shim left on an object, as ``hooks-follow-moved-weights`` does on the ``to`` guard
     that ``dispatch_model`` puts on a model), under :func:`guarded_call`'s rule: if it raises, the
@@ -93,7 +97,7 @@ def later_call(context: ShimContext, where: str, repair: Callable[..., Any], *ar
             raise  # no registry (a wrapper called directly), or on purpose, or the library's own error
         if _out_of_memory(exc):
             raise
-        _repair_failed(registry, shim_entry, where, exc)
+        _repair_failed(registry, shim_entry, where, exc, after_call=True)
         return None
 
 
@@ -103,22 +107,26 @@ def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__)
 
 
-def _repair_failed(registry: Registry, shim_entry: ShimEntry, where: str, exc: BaseException) -> None:
+def _repair_failed(
+    registry: Registry, shim_entry: ShimEntry, where: str, exc: BaseException, after_call: bool = False
+) -> None:
+    """Switch the shim off with one warning (strict mode: raise :class:`ShimError`); ``after_call``:
+    the call had run when the shim's follow-up failed (:func:`later_call`), and what it did stands."""
     shim = shim_entry.shim
     shim_entry.call_failures += 1
     failed = (
         f"shim {shim.id!r} (fixes {', '.join(shim.fixes)}) failed inside {where}: "
         f"{type(exc).__name__}: {exc}."
     )
+    strict = "Strict mode (DEVMAP_SHIMS_STRICT=1 or install(strict=True)) raises"
     if registry.strict:
         raise ShimError(
-            f"{failed} Strict mode (DEVMAP_SHIMS_STRICT=1 or install(strict=True)) raises instead of "
-            "running the call without the repair."
+            f"{failed} {strict}; the call itself had run, and what it did stands." if after_call else
+            f"{failed} {strict} instead of running the call without the repair."
         ) from exc
-    message = (
-        f"{failed} The call went on without the repair and this shim is now off; "
-        "set DEVMAP_SHIMS_STRICT=1 to raise instead."
-    )
+    went_on = "The call had run; what it did stands without the repair" if after_call else (
+        "The call went on without the repair")
+    message = f"{failed} {went_on} and this shim is now off; set DEVMAP_SHIMS_STRICT=1 to raise instead."
     with registry.lock:
         for target_entry in shim_entry.targets:
             if target_entry.state == ACTIVE:

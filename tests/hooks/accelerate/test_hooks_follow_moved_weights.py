@@ -130,8 +130,10 @@ def test_a_failing_retarget_leaves_accelerates_move_and_switches_the_shim_off(st
         before = hook_devices(model)
         with caplog.at_level(logging.WARNING, logger="devmap_shims"):
             if strict:
-                with pytest.raises(ShimError, match="LlamaForCausalLM.to"):
+                with pytest.raises(ShimError, match="LlamaForCausalLM.to") as refused:
                     model.to("cuda:0")
+                assert "the call itself had run, and what it did stands" in str(refused.value)
+                assert {str(p.device) for p in model.parameters()} == {"cuda:0"}  # as the message says
                 return
             assert model.to("cuda:0") is model  # accelerate's guard moved it and its result comes back
             model.to("cuda:1")
@@ -140,6 +142,7 @@ def test_a_failing_retarget_leaves_accelerates_move_and_switches_the_shim_off(st
         warnings = [r.getMessage() for r in caplog.records if hook.SHIM.id in r.getMessage()]
         assert len(warnings) == 1 and "failed inside LlamaForCausalLM.to (the guard accelerate's" in warnings[0]
         assert "ValueError: a hook that cannot be pointed anywhere" in warnings[0]
+        assert "The call had run; what it did stands without the repair and this shim is now off" in warnings[0]
         (entry,) = [s for s in devmap_shims.status()["shims"] if s["id"] == hook.SHIM.id]
         assert {t["state"] for t in entry["targets"]} == {"failed"}
     finally:

@@ -6,6 +6,8 @@ vision-language ``forward``s).
 
 from __future__ import annotations
 
+import weakref
+
 TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
     from typing import Any
@@ -25,20 +27,22 @@ def _input_embeddings(model: Any) -> Any:
 
 
 def _remembered_embeddings(model: Any, known: Any) -> Any:
-    """``model.get_input_embeddings()``, remembered in ``known`` (model -> (parent, name, embedding))
-    for as long as ``parent._modules[name]`` still is that embedding.
+    """``model.get_input_embeddings()``, remembered in ``known`` (model -> (parent, name, embedding),
+    the first and last held weakly) for as long as ``parent._modules[name]`` still is that embedding.
 
     transformers 4.5x resolves ``get_input_embeddings`` through several attribute lookups (about
     18 us a call); the check of the remembered entry is one dict lookup. ``set_input_embeddings``
-    and ``resize_token_embeddings`` replace the module in its parent, which drops the entry.
+    and ``resize_token_embeddings`` replace the module in its parent, which drops the entry. The
+    entry holds nothing strongly: where the parent is the model itself (T5's ``shared``), a strong
+    reference would keep the model, its own key, alive for ever.
     """
     try:
         entry = known.get(model)
     except TypeError:  # not weak-referenceable or not hashable: ask every time
         return _input_embeddings(model)
     if entry is not None:
-        parent, name, embedding = entry
-        if parent._modules.get(name) is embedding:
+        parent, name, embedding = entry[0](), entry[1], entry[2]()
+        if parent is not None and embedding is not None and parent._modules.get(name) is embedding:
             return embedding
     embedding = _input_embeddings(model)
     modules = getattr(model, "modules", None)
@@ -47,7 +51,10 @@ def _remembered_embeddings(model: Any, known: Any) -> Any:
     for parent in modules():
         for name, child in parent._modules.items():
             if child is embedding:
-                known[model] = (parent, name, embedding)
+                try:
+                    known[model] = (weakref.ref(parent), name, weakref.ref(embedding))
+                except TypeError:  # a module that cannot be referenced weakly: not remembered
+                    pass
                 return embedding
     return embedding
 

@@ -425,3 +425,21 @@ def test_remembered_embeddings_are_asked_for_once_and_dropped_when_replaced():
 
     gc.collect()
     assert len(known) == 0, "a model that is gone leaves no entry"
+
+
+def test_a_model_whose_embedding_it_holds_itself_is_freed_after_generate(shim):
+    """T5 keeps its input embeddings as ``model.shared``: remembering them must not keep the model
+    (and its GPU memory) alive once the program drops it."""
+    import gc
+    import weakref
+
+    config = transformers.T5Config(vocab_size=32, d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2,
+                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    assert model.get_input_embeddings() is model.shared
+    with torch.no_grad():
+        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None

@@ -41,13 +41,19 @@ def _covered(name: str, keys: Any) -> bool:
 
 def unplaced_buffers(model: Any, device_map: Dict[str, Any]) -> Dict[str, Any]:
     """``{buffer name: device}`` for the direct buffers of every module ``device_map`` splits, with
-    the device that module's last mapped part runs on."""
+    the device that module's last mapped part runs on; the model's own buffers, which accelerate
+    before 0.20 also left out of a split map, with its first device, where later releases put them."""
     keys = set(device_map)
     offload = ("cpu", "disk")
     main = next((d for d in device_map.values() if str(d) not in offload), None)
     found: Dict[str, Any] = {}
     for name, module in model.named_modules():
-        if not name or _covered(name, keys):
+        if not name:
+            own = [n for n, b in module.named_buffers(recurse=False) if b is not None and n not in keys]
+            first = next(iter(device_map.values()), None)
+            found.update({buffer: first for buffer in own} if first is not None else {})
+            continue
+        if _covered(name, keys):
             continue
         buffers = [n for n, b in module.named_buffers(recurse=False) if b is not None and f"{name}.{n}" not in keys]
         if not buffers:

@@ -44,10 +44,8 @@ def guarded_call(registry: Registry, entry: TargetEntry, repair: Callable[..., A
                 if exc is call.raised:
                     raise
                 raise call.raised from None
-            if isinstance(exc, (KeyboardInterrupt, SystemExit, ShimError)):
-                raise  # ShimError: a repair refusing on purpose (strict mode), not a broken repair
-            if getattr(exc, LIBRARY_ERROR, False) or _out_of_memory(exc):
-                raise  # the library's own answer to the user's call (library_call), or no memory left
+            if _not_the_repairs_fault(exc):
+                raise
             _repair_failed(registry, entry.shim_entry, entry.target.key, exc)
             if call.called:
                 return call.result
@@ -92,13 +90,19 @@ def later_call(
         return None
     try:
         return repair(*args, **kwargs)
-    except Exception as exc:
-        if shim_entry is None or isinstance(exc, ShimError) or getattr(exc, LIBRARY_ERROR, False):
-            raise  # no registry (a wrapper called directly), or on purpose, or the library's own error
-        if _out_of_memory(exc):
-            raise
+    except BaseException as exc:
+        if shim_entry is None or _not_the_repairs_fault(exc):
+            raise  # no registry (a wrapper called directly), or not a broken repair
         _repair_failed(registry, shim_entry, where, exc, after_call=True)
         return None
+
+
+def _not_the_repairs_fault(exc: BaseException) -> bool:
+    """An error that goes to the caller as it is, the shim left on: an interrupt or exit, a
+    :class:`ShimError` (a repair refusing on purpose, strict mode), the library's own answer to the
+    user's call (:func:`library_call`), or no memory left (:func:`_out_of_memory`)."""
+    return (isinstance(exc, (KeyboardInterrupt, SystemExit, ShimError)) or getattr(exc, LIBRARY_ERROR, False)
+            or _out_of_memory(exc))
 
 
 def _out_of_memory(exc: BaseException) -> bool:

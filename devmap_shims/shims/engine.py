@@ -117,7 +117,9 @@ class Engine:
                 "only": None if requested["only"] is None else set(requested["only"]),
                 "exclude": set(requested["exclude"]) | set(settings.disable),
                 "force": set(requested["force"]) | set(settings.force),
-                "disable_all": settings.disable_all or "*" in requested["exclude"],
+                # what switched every shim off, if anything: the variable or the argument
+                "disable_all": "DEVMAP_SHIMS_DISABLE=*" if settings.disable_all else (
+                    "install(exclude='*')" if "*" in requested["exclude"] else None),
             }
             for problem in problems + id_problems:
                 registry.warn(problem)
@@ -227,8 +229,7 @@ class Engine:
         selection = self._selection
         why_not = ""
         if selection.get("disable_all"):
-            why_not = "disabled by DEVMAP_SHIMS_DISABLE=*" if "*" not in selection["exclude"] else (
-                "disabled by install(exclude='*')")
+            why_not = f"disabled by {selection['disable_all']}"
         elif selection.get("only") is not None and shim.id not in selection["only"]:
             why_not = "not in install(only=...)"
         elif shim.id in selection.get("exclude", ()):

@@ -142,8 +142,13 @@ def lower_bound(layout: Layout, budgets: Mapping[Any, float], low_zero: bool = F
     the even share takes only its budget and the others share the rest (with no user caps this
     is plain ``total / GPUs``). When the model does not fit at all, the largest GPU budget.
     """
-    level = even_level(layout.total, budgets, low_zero)
-    return max(int(-(-level // 1)), layout.largest)
+    return split_bound(layout.total, layout.largest, budgets, low_zero)
+
+
+def split_bound(total: float, largest: int, budgets: Mapping[Any, float], low_zero: bool = False) -> int:
+    """The busiest GPU's load in the best split of ``total`` bytes whose largest block is
+    ``largest``: :func:`even_level`, rounded up, or that block."""
+    return max(int(-(-even_level(total, budgets, low_zero) // 1)), largest)
 
 
 def even_level(total: float, budgets: Mapping[Any, float], low_zero: bool = False) -> float:
@@ -236,20 +241,19 @@ def assess(
         problems.append(f"{_dev(d)} holds {format_bytes(per_device[d])}, over its {format_bytes(budgets[d])} budget")
 
     used = [g for g in gpus if loads[g] > 0]
-    # collapsed: the one GPU in use holds more than a balanced split of what the GPUs hold would put
-    # on it (blocks offloaded because no GPU can take them do not count: they could not be spread)
     # accelerate keeps room on its main GPU (the first) to stream an offloaded block back in
     reserve = max(offloaded_sizes, default=0)
+    room = {g: budgets[g] - (reserve if g == gpus[0] else 0) for g in gpus}
+    # collapsed: the one GPU in use holds more than a balanced split of its own load would put on
+    # it (blocks offloaded because no GPU can take them could not be spread either), and another
+    # GPU has room for one of its blocks
     collapsed = False
     if not in_order and len(active) >= 2 and len(used) == 1:
         placed = zip(layout.placed_names, layout.placed_sizes)
         on_gpus = [size for name, size in placed if unit_devices[name] in loads]
-        spread = max(int(-(-even_level(loads[used[0]], budgets, low_zero) // 1)), max(on_gpus, default=0))
+        spread = split_bound(loads[used[0]], max(on_gpus, default=0), budgets, low_zero)
         smallest = min([size for size in on_gpus if size], default=0)
-        # and another GPU could take one of its blocks (GPU 0 less what it keeps for streaming)
-        room_elsewhere = any(
-            budgets[g] - (reserve if g == gpus[0] else 0) >= smallest for g in active if g != used[0]
-        )
+        room_elsewhere = any(room[g] >= smallest for g in active if g != used[0])
         collapsed = loads[used[0]] > tolerance * spread and room_elsewhere
     if collapsed:
         problems.append(
@@ -279,8 +283,7 @@ def assess(
         if loads[g] > 0 or (low_zero and g == gpus[0] and len(gpus) > 1):
             continue
         later = [h for h in gpus[i + 1:] if loads[h] > 0]
-        room = budgets[g] - (reserve if i == 0 else 0)
-        if later and room >= first_unit_on[later[0]]:
+        if later and room[g] >= first_unit_on[later[0]]:
             skipped.append(g)
     if skipped:
         problems.append(f"GPU {_ranges(skipped)} left empty while GPU {_ranges(used)} hold the model")

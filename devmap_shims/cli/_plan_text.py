@@ -42,22 +42,25 @@ def render(report: Dict[str, Any]) -> str:
     budgets = report["max_memory"]
     devices = sorted(set(report["bytes_per_device"]) | set(report["gpus"]), key=_device_order)
     empty: List[str] = []  # a run of empty GPUs in a row: one line, however many (4,096 GPUs print ~1)
-    for dev in devices + [""]:
+
+    def close_run() -> None:
+        if empty:
+            label = f"GPU {empty[0]}" + (f"-{empty[-1]}" if len(empty) > 1 else "")
+            rows.append((label, format_bytes(0), "0.0%", "-"))
+            empty.clear()
+
+    for dev in devices:
         used = report["bytes_per_device"].get(dev, 0)
         modules = ", ".join(report["modules_per_device"].get(dev, [])) or "-"
         if dev.isdigit() and not used and modules == "-":
             empty.append(dev)
             continue
-        if empty:
-            rows.append((f"GPU {empty[0]}" + (f"-{empty[-1]}" if len(empty) > 1 else ""), format_bytes(0),
-                         "0.0%", "-"))
-            empty = []
-        if not dev:
-            break
+        close_run()
         capacity = report["gpus"].get(dev) or budgets.get(dev)
         share = f"{100 * used / capacity:.1f}%" if capacity else "-"
         label = f"GPU {dev}" if dev.isdigit() else dev
         rows.append((label, format_bytes(used), share, modules))
+    close_run()
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:  # the padded columns are the first line's prefix, so wrapping keeps them aligned
         head = "  " + "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  "

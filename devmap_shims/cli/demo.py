@@ -346,13 +346,11 @@ def render(bugs: List[Dict[str, Any]], rows: List[Dict[str, Any]], versions: Dic
 
 
 # -- the command --------------------------------------------------------------------------------
-def _progress_printer(stream: Any, enabled: bool) -> Tuple[Callable[[str], None], Callable[[], None]]:
+def _progress_printer(stream: Any) -> Tuple[Callable[[str], None], Callable[[], None]]:
     """One short line per replay on ``stream``; on a terminal each overwrites the last."""
-    tty = enabled and hasattr(stream, "isatty") and stream.isatty()
+    tty = hasattr(stream, "isatty") and stream.isatty()
 
     def show(message: str) -> None:
-        if not enabled:
-            return
         text = message if len(message) <= WIDTH - 1 else message[: WIDTH - 5] + " ..."
         if tty:
             stream.write("\r\033[K" + text)
@@ -371,7 +369,7 @@ def _progress_printer(stream: Any, enabled: bool) -> Tuple[Callable[[str], None]
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     quiet_libraries()
-    show, done = _progress_printer(sys.stderr, True)  # stderr: --json keeps stdout for the JSON alone
+    show, done = _progress_printer(sys.stderr)  # stderr: --json keeps stdout for the JSON alone
     try:
         bugs, rows, versions, broken = collect(list(args.ids), args.all, show, start=started)
     except KeyError as exc:

@@ -167,7 +167,7 @@ def test_progress_overwrites_one_line_on_a_terminal_and_writes_lines_elsewhere()
 
     tty, pipe = Stream(True), Stream(False)
     for stream in (tty, pipe):
-        show, done = demo._progress_printer(stream, True)
+        show, done = demo._progress_printer(stream)
         show("[1/2] replaying a-row ...")
         show("[2/2] replaying " + "b" * 200)
         done()

@@ -156,10 +156,15 @@ def test_run_sets_the_variable():
     assert proc.stdout.split() == ["1", "True"]
 
 
-def test_a_terminal_without_utf8_gets_escapes_instead_of_a_crash_part_way():
+def _row_with_text_beyond_ascii():
+    """A matrix row whose explanation needs more than ASCII (a ``·`` in its root cause)."""
     from devmap_shims.compat_matrix import load_matrix
 
-    row = next(r for r in load_matrix().rows if any(ord(c) > 127 for c in r.root_cause + r.title + r.symptom))
+    return next(r for r in load_matrix().rows if any(ord(c) > 127 for c in r.root_cause + r.title + r.symptom))
+
+
+def test_a_terminal_without_utf8_gets_escapes_instead_of_a_crash_part_way():
+    row = _row_with_text_beyond_ascii()
     ascii_io = dict(os.environ, PYTHONIOENCODING="ascii")
     c_locale = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG", "PYTHONIOENCODING"))}
     c_locale.update(LC_ALL="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0")  # ascii, errors=surrogateescape
@@ -173,9 +178,7 @@ def test_a_terminal_without_utf8_gets_escapes_instead_of_a_crash_part_way():
 def test_main_called_in_process_gives_the_hosts_streams_back_as_they_were(monkeypatch):
     import io
 
-    from devmap_shims.compat_matrix import load_matrix
-
-    row = next(r for r in load_matrix().rows if any(ord(c) > 127 for c in r.root_cause + r.title + r.symptom))
+    row = _row_with_text_beyond_ascii()
     raw = io.BytesIO()
     stream = io.TextIOWrapper(raw, encoding="ascii")
     monkeypatch.setattr(sys, "stdout", stream)

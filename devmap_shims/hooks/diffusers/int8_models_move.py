@@ -53,36 +53,38 @@ def movable(model: Any) -> bool:
     return is_8bit_model(model) and bnb_moves_8bit() and not any_offloading(model)
 
 
-def move_8bit_model(model: Any, device: Any) -> Any:
+def move_8bit_model(model: Any, device: Any, non_blocking: bool = False) -> Any:
     """Move an 8-bit model whole: alignment hooks off, weights moved, ``Linear8bitLt`` state re-pointed."""
     import torch
 
     if any_hooks(model):  # the model itself included
         remove_hooks(model)
-    torch.nn.Module.to(model, device)
+    torch.nn.Module.to(model, device, non_blocking=non_blocking)
     for module in model.modules():
         if is_int8_linear(module):
             align_int8_state(module)
     return model
 
 
-def _device_of_to_call(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Any]:
-    """The device of a ``Module.to(...)`` call when it names a device and no dtype; else None."""
+def _device_of_to_call(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Optional[Any], bool]:
+    """The device and ``non_blocking`` of a ``Module.to(...)`` call that names a device and no
+    dtype; else ``(None, False)``. (A ``memory_format`` only reaches 4-D and 5-D tensors, which an
+    8-bit model's int8 weights are not.)"""
     import torch
 
     try:
-        device, dtype, _non_blocking, _format = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype, non_blocking, _format = torch._C._nn._parse_to(*args, **kwargs)
     except (TypeError, ValueError, RuntimeError):
-        return None
-    return device if dtype is None else None
+        return None, False
+    return (device, bool(non_blocking)) if dtype is None else (None, False)
 
 
 def move_model_to(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """``ModelMixin.to``: an 8-bit model is moved instead of refused."""
-    device = _device_of_to_call(args, kwargs) if is_8bit_model(instance) else None
+    device, non_blocking = _device_of_to_call(args, kwargs) if is_8bit_model(instance) else (None, False)
     if device is None or not movable(instance):
         return wrapped(*args, **kwargs)
-    return move_8bit_model(instance, device)
+    return move_8bit_model(instance, device, non_blocking)
 
 
 def move_model_cuda(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

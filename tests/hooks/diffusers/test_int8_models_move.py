@@ -98,6 +98,31 @@ def test_with_the_shim_model_to_moves_instead_of_raising(shim, how):
             transformer.to(torch.float16)  # a dtype still cannot be cast
 
 
+def test_with_the_shim_model_to_keeps_non_blocking(shim):
+    """``model.to("cuda:1", non_blocking=True)`` copies the weights as the caller asked (bitsandbytes
+    moves ``SCB`` itself with a blocking copy, and so does the shim when it re-points one)."""
+    from torch.overrides import TorchFunctionMode
+
+    class NonBlockingCopies(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.to:
+                _device, _dtype, non_blocking, _format = torch._C._nn._parse_to(*args[1:], **kwargs)
+                self.seen.append(non_blocking)
+            return func(*args, **kwargs)
+
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        transformer = flux.load_8bit_transformer(PATH)
+        with NonBlockingCopies() as copies:
+            transformer.to("cuda:1", non_blocking=True)
+        assert {str(p.device) for p in transformer.parameters()} == {"cuda:1"}
+        assert sum(copies.seen) >= len(list(transformer.parameters())), copies.seen
+
+
 def test_an_offloaded_model_is_left_to_diffusers():
     class Hook:
         offload = True

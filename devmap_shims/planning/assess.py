@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping
 
 from devmap_shims.planning.layout import Layout
-from devmap_shims.planning.partition import greedy_prefix
+from devmap_shims.planning.partition import longest_prefix_with_reserve
 from devmap_shims.planning.sizes import format_bytes
 
 TOLERANCE = 1.10
@@ -197,19 +197,16 @@ def plainly_healthy(
     return max(loads.values()) <= tolerance * level * margin
 
 
-def unavoidable_offload(layout: Layout, budgets: Mapping[Any, float], reserve: int) -> int:
-    """Bytes that cannot stay on the GPUs in any contiguous placement, when GPU 0 keeps
-    ``reserve`` bytes free for streaming offloaded blocks back in (as accelerate does). 0 when
-    the whole model fits on the GPUs: then nothing is streamed and no reserve is needed."""
+def unavoidable_offload(layout: Layout, budgets: Mapping[Any, float]) -> int:
+    """Bytes that cannot stay on the GPUs in any contiguous placement, when GPU 0 keeps room for
+    the largest offloaded block to stream it back in (as accelerate does), whichever blocks a
+    placement offloads. 0 when the whole model fits on the GPUs: then nothing is streamed and no
+    reserve is needed."""
     gpus = gpu_ids(budgets)
     if not gpus:
         return layout.total
-    caps = [int(budgets[g]) for g in gpus]
     sizes = layout.placed_sizes
-    if greedy_prefix(sizes, caps) == len(sizes):
-        return 0
-    caps[0] = max(0, caps[0] - reserve)
-    k = greedy_prefix(sizes, caps)
+    k, _reserve = longest_prefix_with_reserve(sizes, [int(budgets[g]) for g in gpus])
     return sum(sizes[k:])
 
 
@@ -263,7 +260,7 @@ def assess(
 
     unavoidable = False
     if offloaded_sizes:
-        necessary = unavoidable_offload(layout, budgets, reserve)
+        necessary = unavoidable_offload(layout, budgets)
         if offloaded > necessary:
             problems.append(
                 f"{format_bytes(offloaded)} offloaded to CPU/disk although the GPUs' budgets leave only "
@@ -283,7 +280,8 @@ def assess(
         if loads[g] > 0 or (low_zero and g == gpus[0] and len(gpus) > 1):
             continue
         later = [h for h in gpus[i + 1:] if loads[h] > 0]
-        if later and room[g] >= first_unit_on[later[0]]:
+        # a GPU that holds only a tied weight's bytes (its anchor placed elsewhere) opens with them
+        if later and room[g] >= first_unit_on.get(later[0], loads[later[0]]):
             skipped.append(g)
     if skipped:
         problems.append(f"GPU {_ranges(skipped)} left empty while GPU {_ranges(used)} hold the model")

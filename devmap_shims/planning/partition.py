@@ -8,6 +8,9 @@ forward from GPU i to GPU j > i). Two questions are answered exactly:
   (filling a bin as far as it goes never hurts the bins after it), so a binary search on ``T``
   over integers finds the optimum in ``O(n + bins log(n) log(total))`` (prefix sums, and each
   bin's run found by bisection).
+* :func:`longest_prefix_with_reserve`: when the items do not fit, the longest prefix that does
+  while the first bin keeps room for the largest item left over (accelerate's reserve on its main
+  GPU for streaming offloaded blocks back in).
 * :func:`spread`: given that ``T``, a partition that keeps every bin at or under it while
   aiming each bin at an even share of what is left, so GPUs at the end are not left idle when
   a balanced split needs them. A backward greedy pass tells, for every bin, the earliest item
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from itertools import accumulate
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 
 def _prefix(sizes: Sequence[int]) -> List[int]:
@@ -44,6 +47,36 @@ def _greedy_end(prefix: Sequence[int], caps: Sequence[int]) -> int:
             break
         i = max(i, bisect_right(prefix, prefix[i] + cap, i) - 1)
     return i
+
+
+def longest_prefix_with_reserve(sizes: Sequence[int], caps: Sequence[int]) -> Tuple[int, int]:
+    """``(k, reserve)``: the largest ``k`` such that items ``[:k]`` fit in order into the bins
+    while the first bin keeps ``reserve = max(sizes[k:])`` free (0 when everything fits).
+
+    The reserve shrinks as ``k`` grows, so a longer prefix can fit where a shorter one, leaving a
+    larger block behind, does not. The ``k`` sharing one value ``r`` of ``max(sizes[k:])`` form an
+    interval ``[a, b]`` on which the bins are the same, so the best ``k`` there is
+    ``min(b, greedy prefix with the first bin at cap - r)`` when that is at least ``a``; the
+    intervals are tried from the longest prefixes down, and the first that holds one is the answer.
+    """
+    u = len(sizes)
+    prefix = _prefix(sizes)
+    if not caps:
+        return 0, max(sizes, default=0)
+    if _greedy_end(prefix, caps) == u:
+        return u, 0
+    rest = list(caps[1:])
+    b = u - 1
+    while b >= 0:
+        level = sizes[b]
+        a = b
+        while a > 0 and sizes[a - 1] <= level:  # max(sizes[k:]) == level for every k in [a, b]
+            a -= 1
+        k = min(b, _greedy_end(prefix, [max(0, caps[0] - level)] + rest))
+        if k >= a:
+            return k, level
+        b = a - 1
+    return 0, max(sizes, default=0)  # pragma: no cover - k = 0 always holds in the last interval
 
 
 def min_max_cap(sizes: Sequence[int], caps: Sequence[int], prefix: Optional[List[int]] = None) -> Optional[int]:

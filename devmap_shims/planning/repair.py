@@ -87,17 +87,8 @@ def _low_zero(sizes: List[int], gpus: List[int], caps: List[int]) -> Optional[Li
 
 
 def _with_offload(sizes: List[int], gpus: List[int], caps: List[int], budgets: Mapping[Any, float]) -> List[Any]:
-    reserve = max(sizes, default=0)
-    k = 0
-    for _ in range(4):  # the reserve depends on what gets offloaded; settle it in a few rounds
-        gpu_caps = [max(0, caps[0] - reserve)] + caps[1:]
-        k = partition.greedy_prefix(sizes, gpu_caps)
-        new_reserve = max(sizes[k:], default=0)
-        if new_reserve >= reserve:
-            break
-        reserve = new_reserve
+    k, reserve = partition.longest_prefix_with_reserve(sizes, caps)
     gpu_caps = [max(0, caps[0] - reserve)] + caps[1:]
-    k = partition.greedy_prefix(sizes, gpu_caps)
     head = partition.balanced_assignment(sizes[:k], gpu_caps) or []
     devices: List[Any] = [gpus[b] for b in head]
     cpu_left = max(0, int(budgets.get("cpu", 0)) - reserve) if "cpu" in budgets else 0

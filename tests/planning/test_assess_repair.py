@@ -295,6 +295,30 @@ def test_avoidable_offload_is_not_called_unavoidable():
     assert a.offload_reason(layout.total) == ""
 
 
+def test_offload_beyond_the_best_prefix_is_not_called_unavoidable():
+    """A map that offloads a large block justifies a large reserve on GPU 0, but a placement that
+    keeps that block on a GPU needs less: 84 bytes offloaded where 24 have to be is avoidable,
+    and the repair offloads only those 24 (the last block), room for it kept on GPU 0."""
+    sizes = [7, 8, 4, 1, 8, 1, 1, 6]
+    layout = build_layout([(f"l{i}", 4 * s) for i, s in enumerate(sizes)])
+    budgets = {0: 56, 1: 52, 2: 44, "cpu": 1000}
+    library = {"l0": 1, "l1": 2, **{f"l{i}": "cpu" for i in range(2, 8)}}
+    a = assess(layout, library, budgets)
+    assert a.verdict == OFFLOADED and not a.unavoidable and a.offloaded == 84
+    out = repair(layout, library, budgets, clean=False)
+    assert out.repaired and out.planned.verdict == OK and out.planned.unavoidable
+    assert out.planned.offloaded == 24 and out.device_map["l7"] == "cpu"
+    assert sum(4 * s for i, s in enumerate(sizes) if out.device_map[f"l{i}"] == 0) <= 56 - 24
+
+
+def test_a_gpu_holding_only_a_tied_weight_gets_a_verdict():
+    """A map that puts a tied weight on a later GPU than the weight it is tied to (possible in a
+    user's map) leaves that GPU with bytes but no block of its own: still judged, GPU 1 skipped."""
+    layout = build_layout([("a", 0), ("b", 5), ("c", 5), ("d", 5)], tied_groups=[["a", "d"]])
+    a = assess(layout, {"a": 0, "b": 0, "c": 0, "d": 2}, gpus(3, 100))
+    assert a.verdict == SKIPPED and a.skipped == [1]
+
+
 def test_no_offload_has_no_reason():
     layout = build_layout([(f"l{i}", 10) for i in range(10)])
     a = assess(layout, {f"l{i}": i // 5 for i in range(10)}, gpus(2, 60))

@@ -75,6 +75,33 @@ def test_greedy_prefix_is_the_longest_placeable_prefix(sizes, caps):
         assert brute_force_optimum(sizes[: k + 1], caps) is None
 
 
+def brute_force_longest_prefix_with_reserve(sizes, caps):
+    """Every k: does sizes[:k] fit with the first bin keeping max(sizes[k:]) free?"""
+    best = 0
+    for k in range(len(sizes) + 1):
+        reserve = max(sizes[k:], default=0)
+        if brute_force_optimum(sizes[:k], [max(0, caps[0] - reserve)] + caps[1:]) is not None:
+            best = k
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(items, bins)
+def test_longest_prefix_with_reserve_is_the_longest_there_is(sizes, caps):
+    """A longer prefix leaves a smaller block to reserve room for, so it can fit where a shorter
+    one does not: the answer is the longest over every k, not a first fixed point."""
+    k, reserve = partition.longest_prefix_with_reserve(sizes, caps)
+    assert k == brute_force_longest_prefix_with_reserve(sizes, caps)
+    assert reserve == max(sizes[k:], default=0)
+
+
+def test_longest_prefix_with_reserve_finds_the_prefix_behind_the_largest_block():
+    """With room kept for the largest block (8), only the first two blocks fit (21 offloaded);
+    placing all but the last block needs only its 6 kept free, and offloads 6."""
+    sizes = [7, 8, 4, 1, 8, 1, 1, 6]
+    assert partition.longest_prefix_with_reserve(sizes, [14, 13, 11]) == (7, 6)
+
+
 def test_spread_does_not_leave_a_gpu_idle_when_the_first_block_is_big():
     # a large embedding followed by small layers on 4 GPUs: greedy first-fit at the optimal cap
     # would stack layers on the first GPUs; spread must give every GPU work

@@ -54,7 +54,7 @@ ENGINE_TESTS = (
 )
 
 nox.options.sessions = (
-    [f"engine-{version}" for version in PYTHONS] + list(STACKS) + [name for name, _, _ in OTHER_PYTHON_STACKS]
+    [f"engine-{version}" for version in PYTHONS] + ["engine-lowest"] + list(STACKS) + [name for name, _, _ in OTHER_PYTHON_STACKS]
     + [name for name, _, _ in POINT_STACKS]
 )
 
@@ -89,6 +89,13 @@ def _engine_session(version: str):
 
     run.__doc__ = f"The engine, matrix, CLI, contract and hardening tests on Python {version}: no target library."
     return run
+
+
+@nox.session(name="engine-lowest", python=interpreter(PYTHONS[0]))
+def engine_lowest(session: nox.Session) -> None:
+    """The engine tests with wrapt, packaging and tomli at the lowest releases pyproject.toml accepts."""
+    _install_stack(session, "engine-lowest")
+    _pytest(session, "engine", *ENGINE_TESTS)
 
 
 def _stack_session(name: str, lock: str, version: str):

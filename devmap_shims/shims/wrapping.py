@@ -39,8 +39,26 @@ def devmap_wrapper_type() -> type:
 
             def __reduce_ex__(self, protocol: int) -> Any:
                 # As the original's bound (or plain) function pickles: by reference, getattr(owner, name).
-                holder = self._self_instance if self._self_instance is not None else self._self_owner
-                return getattr, (holder, self.__wrapped__.__name__)
+                if self._self_instance is not None:
+                    return getattr, (self._self_instance, self.__wrapped__.__name__)
+                wrapped = self.__wrapped__
+                owner = getattr(self, "_self_owner", None)  # wrapt >= 2.0 keeps the class it was read from
+                if owner is None:  # wrapt 1.x: the class that defines it, found as pickle finds a function
+                    owner = sys.modules[wrapped.__module__]
+                    for part in wrapped.__qualname__.split(".")[:-1]:
+                        owner = getattr(owner, part)
+                return getattr, (owner, wrapped.__name__)
+
+            @property
+            def __func__(self) -> Any:
+                # As a bound method's: the function the class holds, our layer included. accelerate's
+                # prepare_model (mixed precision) rebinds MethodType(autocast(model.forward.__func__),
+                # model), and peft does the same with forward and generate; the wrapped original's
+                # __func__ would leave the repair out of every later call. Read from the class, the
+                # layer takes the instance from the call's first argument, as for Class.method(obj).
+                if self._self_binding == "function" and self._self_instance is not None:
+                    return self._self_parent.__get__(None, type(self._self_instance))
+                return self.__wrapped__.__func__
 
             def __copy__(self) -> Any:
                 return self

@@ -222,6 +222,34 @@ def test_a_wrapped_method_deep_copied_with_its_instance_is_bound_to_the_copy(fak
     assert copy.deepcopy(unbound) is unbound  # read from the class: copied as itself
 
 
+def test_a_method_rebound_from_its_func_keeps_the_repair(fake_stack):
+    """accelerate's prepare_model (mixed precision) and peft rebind a model's method as
+    ``MethodType(wrap(model.forward.__func__), model)``: the repair stays in every later call."""
+    import functools
+    import types
+
+    seen = []
+
+    def spy(wrapped, instance, args, kwargs):
+        seen.append((instance, args))
+        return wrapped(*args, **kwargs)
+
+    register_fake(target="Thing.to", wrapper=spy)
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    thing = fakelib.core.SubThing("cpu")
+    func = thing.to.__func__
+
+    @functools.wraps(func)
+    def autocast_like(*args, **kwargs):
+        return func(*args, **kwargs)
+
+    thing.to = types.MethodType(autocast_like, thing)
+    assert thing.to("cuda:1").device == "cuda:1"
+    assert seen == [(thing, ("cuda:1",))]
+
+
 def test_a_repairs_library_call_and_an_out_of_memory_error_are_the_callers(fake_stack):
     from devmap_shims.shims import library_call
 

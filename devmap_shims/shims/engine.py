@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from devmap_shims.shims.record import Shim
-from devmap_shims.shims.registry import Registry, logger
+from devmap_shims.shims.registry import Registry, ShimError, logger
 from devmap_shims.versions import TARGET_DISTRIBUTIONS
 
 
@@ -139,11 +139,17 @@ class Engine:
             self.installed = True
             self.killed = False
             self._builtins_loaded = False
-            if registry.shims:
-                self._watch()
-            # the built-in shims target these packages' modules (the contract test holds them to it)
-            triggers = tuple(TARGET_DISTRIBUTIONS) + tuple(catalog.libraries())
-            importhook.before_first_import(triggers, self.load_builtins)
+            try:
+                if registry.shims:
+                    self._watch()
+                # the built-in shims target these packages' modules (the contract test holds them to it)
+                triggers = tuple(TARGET_DISTRIBUTIONS) + tuple(catalog.libraries())
+                importhook.before_first_import(triggers, self.load_builtins, _raise_shim_errors)
+            except ShimError:
+                # strict mode, a target already imported that could not be wrapped: every other
+                # target was still tried; nothing stays installed, so the error is the outcome
+                self.uninstall()
+                raise
             self.imported_before_install = self._imported_targets()
         return True
 
@@ -173,7 +179,9 @@ class Engine:
     def load_builtins(self) -> None:
         """Import the built-in shim modules and arm their shims (once per install). Called just
         before a target library is first imported, at ``install()`` if one already is, and by
-        :meth:`status`. Never raises: a shim module that fails to import is reported and skipped."""
+        :meth:`status`. A shim module that fails to import is reported and skipped; in strict mode a
+        target already imported that cannot be wrapped raises ShimError, once every other target
+        has been tried."""
         from devmap_shims.shims import catalog
 
         registry = self.registry
@@ -286,6 +294,17 @@ class Engine:
 
         self.load_builtins()
         return collect(self)
+
+
+def _raise_shim_errors(callback: Any, exc: BaseException) -> None:
+    """A before-import trigger's error handler: strict mode's ShimError reaches the caller (the
+    ``install()``, or the import that fired it), anything else is logged and the import goes on."""
+    if isinstance(exc, ShimError):
+        raise exc
+    logger().warning(
+        "loading the built-in shims before the first import of a target library failed (%s: %s); "
+        "the import went on without them", type(exc).__name__, exc,
+    )
 
 
 def _id_problems(known: List[str], requested: Dict[str, Any]) -> List[str]:

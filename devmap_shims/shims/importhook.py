@@ -28,11 +28,13 @@ if TYPE_CHECKING:
 
     Hook = Callable[[Any], None]
     ErrorHandler = Callable[[str, Hook, BaseException], None]
+    TriggerErrorHandler = Callable[[Callable[[], None], BaseException], None]
 
 
 _lock = threading.RLock()
 _hooks: Dict[str, List[Tuple[Hook, ErrorHandler]]] = {}
-_triggers: Dict[str, Callable[[], None]] = {}  # top-level package name -> callback, until it fires
+# top-level package name -> (callback, on_error), until it fires
+_triggers: Dict[str, Tuple[Callable[[], None], Optional[TriggerErrorHandler]]] = {}
 _finder: _PostImportFinder | None = None
 
 
@@ -94,7 +96,9 @@ class _PostImportFinder:
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if _triggers and path is None:  # a top-level name: the first import of a watched package
-            _fire(_triggers.get(fullname))
+            trigger = _triggers.get(fullname)
+            if trigger is not None:
+                _fire(*trigger)
         if fullname not in _hooks or fullname in self._in_progress:
             return None
         with _lock:
@@ -119,34 +123,38 @@ class _PostImportFinder:
         pass
 
 
-def _fire(callback: Optional[Callable[[], None]]) -> None:
-    if callback is None:
-        return
-    with _lock:
-        for name in [n for n, c in _triggers.items() if c is callback]:
-            del _triggers[name]
+def _fire(callback: Callable[[], None], on_error: Optional[TriggerErrorHandler] = None) -> None:
+    cancel_before_first_import(callback)
     try:
         callback()
-    except Exception as exc:  # never break the user's import
-        _log_hook_error("(before import)", callback, exc)
+    except Exception as exc:  # never break the user's import (on_error decides; strict mode raises)
+        if on_error is None:
+            _log_hook_error("(before import)", callback, exc)
+        else:
+            on_error(callback, exc)
 
 
-def before_first_import(names: Tuple[str, ...], callback: Callable[[], None]) -> None:
+def before_first_import(
+    names: Tuple[str, ...], callback: Callable[[], None], on_error: Optional[TriggerErrorHandler] = None
+) -> None:
     """Call ``callback()`` once, just before the first of the top-level packages ``names`` is
     imported (now, if one of them already is). It may register :func:`when_imported` hooks for
-    modules of those packages: they are in place before the package runs."""
+    modules of those packages: they are in place before the package runs. ``on_error(callback,
+    exception)`` gets what the callback raises, as a hook's does (logged when none is given)."""
     if any(name in sys.modules for name in names):
-        _fire(callback)
+        _fire(callback, on_error)
         return
     with _lock:
         for name in names:
-            _triggers[name] = callback
+            _triggers[name] = (callback, on_error)
         _install_finder()
 
 
 def cancel_before_first_import(callback: Callable[[], None]) -> None:
+    """Forget ``callback``'s triggers (compared with ``==``: a bound method read twice is two
+    objects, equal to each other)."""
     with _lock:
-        for name in [n for n, c in _triggers.items() if c is callback]:
+        for name in [n for n, (c, _e) in _triggers.items() if c == callback]:
             del _triggers[name]
 
 

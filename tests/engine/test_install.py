@@ -406,6 +406,39 @@ def test_unknown_ids_warn_or_raise_in_strict(fake_stack, caplog):
     assert not devmap_shims.is_installed()
 
 
+def test_a_strict_install_that_cannot_wrap_an_imported_target_raises_and_leaves_nothing_on(fake_stack):
+    """The library was imported first, so install() wraps at once: in strict mode a target that
+    cannot be wrapped is install()'s error, and no shim stays half installed (a second install
+    would otherwise say True and do nothing)."""
+    from devmap_shims.shims import importhook
+    from devmap_shims.shims.registry import ShimError
+
+    import fakelib.core
+
+    original, describe = fakelib.core.compute, vars(fakelib.core.Thing)["describe"]
+    devmap_shims.register(Shim("fake-fix", ("fake-bug",), (Target("fakelib.core", "compute"),), "no_such_module:repair"),
+                          matrix_rows=[fake_row(last_checked="2026-11-01")])
+    devmap_shims.register(Shim("fake-good", ("fake-bug",), (Target("fakelib.core", "Thing.describe"),), add_one))
+    with pytest.raises(ShimError, match="could not wrap fakelib.core:compute"):
+        devmap_shims.install(strict=True)
+    assert not devmap_shims.is_installed() and importhook.waiting() == 0
+    assert fakelib.core.compute is original and vars(fakelib.core.Thing)["describe"] is describe
+    with pytest.raises(ShimError):
+        devmap_shims.install(strict=True)  # asked again: the same answer, not a silent True
+    assert devmap_shims.install()  # without strict mode: the failing shim is off, the other on
+    assert shim_status("fake-fix")["state"] == "failed" and shim_status("fake-good")["state"] == "active"
+
+
+def test_uninstall_cancels_the_wait_for_a_target_library(fake_stack):
+    from devmap_shims.shims import importhook
+
+    register_fake()
+    devmap_shims.install()
+    assert importhook.waiting() > 0
+    devmap_shims.uninstall()
+    assert importhook.waiting() == 0
+
+
 def test_signature_and_docs_are_the_originals(fake_stack):
     import fakelib.core
 

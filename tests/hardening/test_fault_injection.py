@@ -111,3 +111,37 @@ def test_failing_post_import_hook_does_not_break_import_accelerate():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "IMPORTED infer_auto_device_map ['failed']" in proc.stdout
     assert "hook exploded" in proc.stderr
+
+
+def test_strict_install_after_import_accelerate_raises_when_a_target_cannot_be_wrapped():
+    """accelerate imported first: install() loads the built-in shims at once. In strict mode the
+    target that cannot be wrapped is install()'s ShimError, and no shim stays on; without strict
+    mode the others are armed."""
+    pytest.importorskip("accelerate")
+    code = (
+        "import sys\n"
+        "import accelerate.big_modeling as bm\n"
+        "import devmap_shims\n"
+        "from devmap_shims.shims import arming\n"
+        "real = arming.wrapper_of\n"
+        "def wrapper_of(shim, target):\n"
+        "    if shim.id == 'device-map-balance':\n"
+        "        raise ImportError('wrapper exploded')\n"
+        "    return real(shim, target)\n"
+        "arming.wrapper_of = wrapper_of\n"
+        "strict = sys.argv[1] == 'strict'\n"
+        "try:\n"
+        "    print('INSTALLED', devmap_shims.install(strict=strict, force=['hooks-follow-moved-weights']))\n"
+        "except devmap_shims.ShimError as exc:\n"
+        "    print('RAISED', exc)\n"
+        "print('ON', devmap_shims.is_installed(), type(bm.dispatch_model).__name__ != 'function')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
+    outputs = {}
+    for mode in ("strict", "lenient"):
+        proc = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outputs[mode] = proc.stdout
+    assert "RAISED shim 'device-map-balance' could not wrap" in outputs["strict"]
+    assert "ON False False" in outputs["strict"]
+    assert "INSTALLED True" in outputs["lenient"] and "ON True True" in outputs["lenient"]

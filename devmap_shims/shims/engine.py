@@ -269,6 +269,10 @@ class Engine:
         with registry.lock:
             if any(s.id == shim.id for s in self.registered) or shim.id in registry.shims:
                 raise ValueError(f"a shim with id {shim.id!r} is already registered")
+            from devmap_shims.shims import catalog
+
+            if shim.id in catalog.builtin_ids():  # before install() too: it would be dropped there
+                raise ValueError(f"{shim.id!r} is the id of a built-in shim; give this shim another id")
             rows = [dict(r, source=r.get("source", f"register({shim.id!r})")) for r in matrix_rows]
             self.registered.append(shim)
             self.registered_rows.extend(rows)

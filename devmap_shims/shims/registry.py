@@ -67,11 +67,6 @@ class ShimContext:
     def strict(self) -> bool:
         return bool(self._registry is not None and self._registry.strict)
 
-    def not_present(self, entry: ShimEntry) -> Optional[str]:
-        """Why ``entry``'s shim stays off here (no row it fixes applies, and it is not forced), or None."""
-        applies, why = self.decide(entry)
-        return None if applies or entry.forced else f"bug not present here: {why}"
-
     def warn(self, message: str) -> None:
         if self._registry is None:
             logger().warning("%s", message)

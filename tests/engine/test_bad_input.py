@@ -142,4 +142,7 @@ def test_register_rejects_non_shims_and_duplicates():
     devmap_shims.register(shim)
     with pytest.raises(ValueError, match="already registered"):
         devmap_shims.register(shim)
+    # before install() as after it: install() would keep the built-in shim and drop this one unsaid
+    with pytest.raises(ValueError, match="'device-map-balance' is the id of a built-in shim"):
+        devmap_shims.register(Shim("device-map-balance", ("x",), (Target("a.b", "c"),), add_one))
     assert ENGINE.registry.warnings == []

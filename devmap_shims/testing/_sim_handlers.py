@@ -18,6 +18,7 @@ from devmap_shims.calls import argument_at
 
 from . import _sim_state as S
 from ._sim_autograd import check_backward_call, h_grad_get, h_grad_set
+from ._sim_device_checks import ti_mismatch
 from ._sim_devices import device_key, fmt_device, parse_device
 from ._sim_generic import dtype_itemsize
 from ._sim_operands import torch_functions
@@ -195,10 +196,39 @@ def _h_index(func, args, kwargs):
                 raise RuntimeError(
                     f"indices should be either on cpu or on the same device as the indexed tensor ({fmt_device(own)})"
                 )
+    advanced = isinstance(index, list) or any(isinstance(i, (_Tensor, list)) for i in idxs)
+    if func is _TensorBase.__setitem__ and len(args) > 2 and advanced:
+        _check_put_value(self, idxs, args[2])  # x[mask] = v, x[idx] = v: advanced, so index_put_
     out = func(*args, **kwargs)
     if isinstance(own, int):
         tag_all(out, own)
     return out
+
+
+def _check_put_value(self: torch.Tensor, indices: Any, value: Any) -> None:
+    """``index_put_``'s value must be on self's device, except a 0-dim one (copied over) and a
+    one-element CPU value under one boolean mask on self's device (filled in by ``masked_fill_``
+    with ``value.item()``): aten/src/ATen/native/TensorAdvancedIndexing.cpp ``_index_put_impl_``,
+    then the TensorIterator of ``make_index_put_iterator``."""
+    if not isinstance(value, _Tensor) or value.dim() == 0:
+        return
+    own, other = device_key(self), device_key(value)
+    if other == own:
+        return
+    indices = [i for i in indices if i is not None]
+    if (value.numel() == 1 and not isinstance(other, int) and other.type == "cpu" and len(indices) == 1
+            and isinstance(indices[0], _Tensor) and indices[0].dtype == torch.bool
+            and device_key(indices[0]) == own):
+        return
+    raise ti_mismatch(own, other)
+
+
+def _h_index_put(func, args, kwargs):
+    """``index_put_`` / ``index_put``: the value's device is checked as the kernel does."""
+    indices = argument_at(args, kwargs, 1, "indices")
+    _check_put_value(args[0], indices if isinstance(indices, (tuple, list)) else (indices,),
+                     argument_at(args, kwargs, 2, "values"))
+    return _h_self_device(func, args, kwargs)
 
 
 def _h_backward(func, args, kwargs):
@@ -253,9 +283,10 @@ def _handlers() -> Dict[Any, Callable]:
         _h_self_device,
         *[_TensorBase.__dict__.get(n) for n in (
             "copy_", "new_tensor", "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided",
-            "expand_as", "view_as", "reshape_as", "index_put_", "index_put", "set_",
+            "expand_as", "view_as", "reshape_as", "set_",
         )],
     )
+    put(_h_index_put, _TensorBase.index_put_, _TensorBase.index_put)
     put(_h_numpy, _TensorBase.numpy, getattr(_Tensor, "__array__", None))
     put(_h_repr, _Tensor.__repr__, _Tensor.__str__ if "__str__" in _Tensor.__dict__ else None, _Tensor.__format__)
     put(_h_pin_memory, _TensorBase.pin_memory)

@@ -397,6 +397,30 @@ def test_one_element_cpu_tensor_is_not_a_scalar():
         assert str(exc.value) == mismatch_ti("cuda:0", "cpu")
 
 
+def test_advanced_index_assignment_checks_the_values_device():
+    """``x[idx] = v`` with tensor indices runs ``index_put_``: a value with elements on another
+    device is refused (a VLM writing image features from another GPU into its embeddings this way
+    must fail here as on hardware); a 0-dim value is copied over, and basic indexing copies."""
+    with simulated_gpus(2):
+        x = torch.zeros(3, 2, device="cuda:0")
+        rows, mask = torch.tensor([0, 2]), torch.tensor([True, False, True])
+        for index in (rows, mask, [0, 2]):
+            with pytest.raises(RuntimeError) as exc:
+                x[index] = torch.ones(2, 2, device="cuda:1")
+            assert str(exc.value) == mismatch_ti("cuda:0", "cuda:1")
+        with pytest.raises(RuntimeError) as exc:
+            x[rows] = torch.ones(2, 2)
+        assert str(exc.value) == mismatch_ti("cuda:0", "cpu")
+        with pytest.raises(RuntimeError) as exc:
+            x.index_put_((rows,), torch.ones(2, 2, device="cuda:1"))
+        assert str(exc.value) == mismatch_ti("cuda:0", "cuda:1")
+        x[rows] = torch.tensor(5.0, device="cuda:1")  # 0-dim: copied to cuda:0
+        x[mask.to("cuda:0")] = torch.tensor([7.0])  # one CPU element under a mask on x's device
+        x[0:2] = torch.ones(2, 2, device="cuda:1")  # basic indexing: a copy, across devices
+        x[rows] = torch.full((2, 2), 3.0, device="cuda:0")
+        assert x.device.index == 0 and x.cpu().tolist() == [[3.0, 3.0], [1.0, 1.0], [3.0, 3.0]]
+
+
 def test_index_select_and_embedding_messages():
     with simulated_gpus(8):
         w = torch.randn(10, 4, device="cuda:7")
@@ -691,7 +715,18 @@ PARITY_SCENARIOS = {
     "cpu_index_ok": lambda: torch.arange(4.0, device="cuda:0")[torch.tensor([1, 3])],
     "to_same_is_self": lambda: (lambda t: t.to("cuda:0") is t)(torch.ones(1, device="cuda:0")),
     "numpy": lambda: torch.ones(1, device="cuda:0").numpy(),
+    "index_put_cpu_values": lambda: _put(torch.zeros(3, 2, device="cuda:0"), torch.tensor([0, 2]), torch.ones(2, 2)),
+    "index_put_cpu_0dim_ok": lambda: _put(torch.zeros(3, device="cuda:0"), torch.tensor([0, 2]), torch.tensor(5.0)),
+    "mask_put_one_cpu_element_ok": lambda: _put(
+        torch.zeros(3, device="cuda:0"), torch.tensor([True, False, True], device="cuda:0"), torch.tensor([7.0])
+    ),
+    "slice_put_cpu_ok": lambda: _put(torch.zeros(3, 2, device="cuda:0"), slice(0, 2), torch.ones(2, 2)),
 }
+
+
+def _put(x, index, value):
+    x[index] = value
+    return x
 
 
 @gpu

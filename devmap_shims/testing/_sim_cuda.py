@@ -67,7 +67,7 @@ def current_device() -> int:
 
 
 def set_device(device: Any) -> None:
-    idx = index_of(device)
+    idx = index_of(device, optional=False)
     if idx >= 0:
         S.MACHINE._set_current(idx)
 

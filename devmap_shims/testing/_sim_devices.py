@@ -58,12 +58,14 @@ def _parse_uncached(dev: Any) -> Target:
 
 
 def index_of(device: Any = None, optional: bool = True) -> int:
-    """torch.cuda's device argument (None, int, "cuda:1", torch.device) -> simulated index."""
-    if device is None:
-        return S.MACHINE.current_device
-    if isinstance(device, str) and device.strip() == "cuda":
-        return S.MACHINE.current_device
-    if isinstance(device, torch.device) and device.type == "cuda" and device.index is None:
+    """torch.cuda's device argument (None, int, "cuda:1", torch.device) -> simulated index. A
+    device without an index is the current one where ``optional`` (torch/_utils.py
+    ``_get_device_index``), else a ValueError with torch's message (``set_device("cuda")``)."""
+    bare = (isinstance(device, str) and device.strip() == "cuda") or (
+        isinstance(device, torch.device) and device.type == "cuda" and device.index is None)
+    if bare and not optional:
+        raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{torch.device(device)}")
+    if device is None or bare:
         return S.MACHINE.current_device
     target = parse_device(device)
     if not isinstance(target, int):

@@ -39,6 +39,9 @@ NUMBER_FACTORIES = set(
         "rand", "randn", "randint", "randperm", "scalar_tensor", "tril_indices", "triu_indices",
     )
 )
+# factories that read a list's elements as numbers: torch.tensor([t0, t1]) without device= is made
+# on the default device whatever device the 0-dim tensors in the list are on
+LIST_FACTORIES = set(torch_functions("tensor", "as_tensor"))
 # methods whose arguments after ``self`` can only be sizes or dims: a 0-dim tensor there is read with
 # .item() (``x.expand(-1, w)`` with ``w`` on a GPU), so only ``self`` counts for the device checks
 SIZE_METHODS = set(
@@ -189,7 +192,7 @@ def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
                 for b in a:
                     if isinstance(b, _Tensor):
                         ts.append(b)
-    if ts and func in NUMBER_FACTORIES:
+    if ts and (func in NUMBER_FACTORIES or (func in LIST_FACTORIES and args and isinstance(args[0], (list, tuple)))):
         ts = []  # torch.arange(0, 1, 1 / n) with n on a GPU is made on the CPU, as CUDA torch makes it
     if not ts:
         if kwargs.get("generator") is not None:

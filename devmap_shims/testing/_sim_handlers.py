@@ -20,7 +20,7 @@ from . import _sim_state as S
 from ._sim_autograd import check_backward_call, h_grad_get, h_grad_set
 from ._sim_device_checks import ti_mismatch
 from ._sim_devices import device_key, fmt_device, parse_device
-from ._sim_generic import dtype_itemsize
+from ._sim_generic import dtype_itemsize, generic
 from ._sim_operands import torch_functions
 from ._sim_storages import is_pinned, mark_pinned, same_storage, sim_copy, tag, tag_all
 
@@ -231,6 +231,59 @@ def _h_index_put(func, args, kwargs):
     return _h_self_device(func, args, kwargs)
 
 
+def _zero_dim_to(value: Any, key: Any) -> Any:
+    """``value`` copied to device ``key`` when it is a 0-dim tensor elsewhere (what CUDA's kernels do
+    with a 0-dim operand: ``where`` moves it, ``fill_`` and ``masked_fill`` read ``value.item()``)."""
+    if not isinstance(value, _Tensor) or value.dim() != 0 or device_key(value) == key:
+        return value
+    out = sim_copy(value)
+    if isinstance(key, int):
+        tag(out, key)
+    return out
+
+
+def _h_where(func, args, kwargs):
+    """``where(condition, input, other)``: the result goes to the first non-CPU device of the three
+    and a 0-dim operand elsewhere is moved there (aten/src/ATen/native/TensorCompare.cpp
+    ``where_self_out``)."""
+    if kwargs or len(args) != 3:
+        return generic(func, args, kwargs)
+    operands = [args[1], args[0], args[2]] if func is _TensorBase.where else list(args)  # cond, input, other
+    keys = [device_key(a) if isinstance(a, _Tensor) else None for a in operands]
+    out_key = next((k for k in keys if isinstance(k, int) or (k is not None and k.type != "cpu")), None)
+    if out_key is None:
+        return generic(func, args, kwargs)
+    cond, inp, other = (_zero_dim_to(a, out_key) for a in operands)
+    return generic(func, (inp, cond, other) if func is _TensorBase.where else (cond, inp, other), kwargs)
+
+
+def _h_fill(func, args, kwargs):
+    """``fill_(value)``: a 0-dim value on any device fills by its value (ATen Fill.cpp)."""
+    args = list(args)
+    if len(args) > 1:
+        args[1] = _zero_dim_to(args[1], device_key(args[0]))
+    return generic(func, tuple(args), kwargs)
+
+
+def _h_masked_fill(func, args, kwargs):
+    """``masked_fill(mask, value)``: a CUDA tensor's mask must be on its device, with the kernel's own
+    message (the op's generated device check is off); a 0-dim value fills by its value."""
+    args = list(args)
+    self = args[0]
+    own = device_key(self)
+    mask = argument_at(args, kwargs, 1, "mask")
+    if isinstance(own, int) and isinstance(mask, _Tensor) and device_key(mask) != own:
+        raise RuntimeError(
+            "expected self and mask to be on the same device, but got mask on "
+            f"{fmt_device(device_key(mask))} and self on {fmt_device(own)}"
+        )
+    if len(args) > 2:
+        args[2] = _zero_dim_to(args[2], own)
+    elif "value" in kwargs:
+        kwargs = dict(kwargs, value=_zero_dim_to(kwargs["value"], own))
+    return generic(func, tuple(args), kwargs)
+
+
 def _h_backward(func, args, kwargs):
     """backward()/autograd.grad(): the gradients given must sit on their tensors' devices; the
     pass itself runs in the simulated engine (:mod:`._sim_autograd`)."""
@@ -287,6 +340,9 @@ def _handlers() -> Dict[Any, Callable]:
         )],
     )
     put(_h_index_put, _TensorBase.index_put_, _TensorBase.index_put)
+    put(_h_where, torch.where, _TensorBase.where)
+    put(_h_fill, _TensorBase.fill_)
+    put(_h_masked_fill, _TensorBase.masked_fill, _TensorBase.masked_fill_, torch.masked_fill)
     put(_h_numpy, _TensorBase.numpy, getattr(_Tensor, "__array__", None))
     put(_h_repr, _Tensor.__repr__, _Tensor.__str__ if "__str__" in _Tensor.__dict__ else None, _Tensor.__format__)
     put(_h_pin_memory, _TensorBase.pin_memory)
@@ -319,6 +375,8 @@ _PASSTHROUGH_FUNCTIONS = (
     "_has_compatible_shallow_copy_type", "is_same_size", "is_tensor", "is_storage", "result_type",
     "can_cast", "promote_types", "broadcast_shapes", "is_floating_point", "is_complex", "numel",
     "is_nonzero", "is_inference",
+    # only expands (views of each operand, on its own device): no device check in CUDA torch either
+    "broadcast_tensors",
 )
 
 

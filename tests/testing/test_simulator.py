@@ -94,6 +94,10 @@ def test_cuda_api_answers_as_the_machine():
             assert torch.cuda.current_device() == 1
             assert torch.zeros(1, device="cuda").get_device() == 1
         assert torch.cuda.current_device() == 2
+        with pytest.raises(ValueError, match="Expected a torch.device with a specified index or an integer, but got:cuda"):
+            torch.cuda.set_device("cuda")  # set_device needs an index; torch.cuda.device("cuda") does not
+        with torch.cuda.device("cuda"):
+            assert torch.cuda.current_device() == 2
 
 
 def test_invalid_ordinal_raises():
@@ -421,6 +425,30 @@ def test_advanced_index_assignment_checks_the_values_device():
         assert x.device.index == 0 and x.cpu().tolist() == [[3.0, 3.0], [1.0, 1.0], [3.0, 3.0]]
 
 
+def test_zero_dim_values_cross_devices_where_cuda_kernels_read_them():
+    """where moves a 0-dim operand to the result's device; fill_ and masked_fill read a 0-dim value
+    with item(); a list of 0-dim tensors is read as numbers, on the default device."""
+    with simulated_gpus(2):
+        a = torch.arange(-1.0, 2.0, device="cuda:0")
+        v1, v0 = torch.tensor(9.0, device="cuda:1"), torch.tensor(4.0, device="cuda:0")
+        assert torch.where(a > 0, a, v1).cpu().tolist() == [9.0, 9.0, 1.0]
+        assert a.where(a > 0, v1).device.index == 0
+        assert a.clone().fill_(v1).cpu().tolist() == [9.0] * 3
+        assert torch.zeros(2).fill_(v0).tolist() == [4.0, 4.0]
+        assert a.masked_fill(a > 0, v1).cpu().tolist() == [-1.0, 0.0, 9.0]
+        with pytest.raises(RuntimeError) as exc:
+            a.masked_fill((a > 0).to("cuda:1"), 0.0)
+        assert str(exc.value) == "expected self and mask to be on the same device, but got mask on cuda:1 and self on cuda:0"
+        with pytest.raises(RuntimeError) as exc:
+            torch.where(a > 0, a, torch.ones(3, device="cuda:1"))  # not 0-dim: still refused
+        assert "cuda:0" in str(exc.value) and "cuda:1" in str(exc.value)
+        b0, b1 = torch.broadcast_tensors(a, torch.ones(1, device="cuda:1"))  # views only, no check
+        assert (b0.device.index, b1.device.index, tuple(b1.shape)) == (0, 1, (3,))
+        listed = torch.tensor([v0, v1])
+        assert listed.device.type == "cpu" and (listed + torch.ones(2)).tolist() == [5.0, 10.0]
+        assert torch.tensor(v1).device.index == 1  # a tensor itself keeps its device
+
+
 def test_index_select_and_embedding_messages():
     with simulated_gpus(8):
         w = torch.randn(10, 4, device="cuda:7")
@@ -720,7 +748,13 @@ PARITY_SCENARIOS = {
     "mask_put_one_cpu_element_ok": lambda: _put(
         torch.zeros(3, device="cuda:0"), torch.tensor([True, False, True], device="cuda:0"), torch.tensor([7.0])
     ),
-    "slice_put_cpu_ok": lambda: _put(torch.zeros(3, 2, device="cuda:0"), slice(0, 2), torch.ones(2, 2)),
+    "where_cpu_0dim_other_ok": lambda: torch.where(
+        torch.tensor([True, False], device="cuda:0"), torch.ones(2, device="cuda:0"), torch.tensor(0.0)
+    ),
+    "fill_cuda_0dim_into_cpu_ok": lambda: torch.zeros(2).fill_(torch.tensor(3.0, device="cuda:0")),
+    "masked_fill_cpu_mask": lambda: torch.ones(2, device="cuda:0").masked_fill(torch.tensor([True, False]), 0.0),
+    "list_of_cuda_0dim_is_cpu": lambda: torch.tensor([torch.tensor(1.0, device="cuda:0")]),
+        "slice_put_cpu_ok": lambda: _put(torch.zeros(3, 2, device="cuda:0"), slice(0, 2), torch.ones(2, 2)),
 }
 
 

@@ -183,21 +183,22 @@ def when_imported(module_name: str, hook: Hook, on_error: Optional[ErrorHandler]
         _hooks.setdefault(module_name, []).append((hook, handler))
         _install_finder()
     if module is not None:  # being imported right now, its loader found before the hook existed
-        _after_import_in_progress(module_name)
+        _after_import_in_progress(module_name, module)
 
 
-def _after_import_in_progress(module_name: str) -> None:
-    """Run ``module_name``'s hooks once the import now running (in this thread or another) is
-    done: a thread waits for it the way ``import`` itself does, on the module's import lock."""
+def _after_import_in_progress(module_name: str, module: Any) -> None:
+    """Run ``module_name``'s hooks once the import now running (in this thread or another) has
+    finished ``module``; nothing when it failed (the module left ``sys.modules``). A thread watches
+    the import without importing anything itself: importing again after a failure would run the
+    module's code a second time, behind the program's back."""
 
     def wait_then_run() -> None:
-        import importlib
+        import time
 
-        try:
-            module = importlib.import_module(module_name)
-        except BaseException:  # the import failed: there is nothing to hook
-            return
-        _run_hooks(module)
+        while sys.modules.get(module_name) is module and _is_initialising(module):
+            time.sleep(0.005)
+        if sys.modules.get(module_name) is module:
+            _run_hooks(module)
 
     threading.Thread(target=wait_then_run, name=f"devmap-shims waits for {module_name}", daemon=True).start()
 

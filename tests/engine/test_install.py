@@ -439,6 +439,50 @@ def test_uninstall_cancels_the_wait_for_a_target_library(fake_stack):
     assert importhook.waiting() == 0
 
 
+@pytest.mark.parametrize("fails", [False, True], ids=["import-succeeds", "import-fails"])
+def test_install_during_another_threads_import_of_a_target_waits_for_it(fake_stack, fails):
+    """install() while another thread is still running a target module: the shim arms when that
+    import finishes, and when it fails, the module's code is not run a second time."""
+    import threading
+
+    (fake_stack / "fakelib" / "_gate.py").write_text(
+        "import threading\nstarted, release, runs = threading.Event(), threading.Event(), []\n"
+    )
+    (fake_stack / "fakelib" / "slow.py").write_text(
+        "import threading\nfrom fakelib._gate import started, release, runs\n"
+        "runs.append(threading.current_thread().name)\nstarted.set()\nrelease.wait(30)\n"
+        "def compute(x):\n    return x\n"
+        + ("raise RuntimeError('the import failed')\n" if fails else "")
+    )
+    from fakelib import _gate
+
+    devmap_shims.register(Shim("fake-fix", ("fake-bug",), (Target("fakelib.slow", "compute"),), add_one),
+                          matrix_rows=[fake_row(last_checked="2026-11-01")])
+    outcome = []
+
+    def import_it():
+        try:
+            import fakelib.slow
+
+            outcome.append(fakelib.slow)
+        except RuntimeError as exc:
+            outcome.append(exc)
+
+    importer = threading.Thread(target=import_it, name="importer")
+    importer.start()
+    assert _gate.started.wait(30)
+    devmap_shims.install(only=["fake-fix"])
+    _gate.release.set()
+    importer.join(30)
+    for waiter in [t for t in threading.enumerate() if t.name == "devmap-shims waits for fakelib.slow"]:
+        waiter.join(30)
+    assert _gate.runs == ["importer"]
+    if fails:
+        assert isinstance(outcome[0], RuntimeError)
+    else:
+        assert outcome[0].compute(1) == 2 and shim_status()["state"] == "active"
+
+
 def test_signature_and_docs_are_the_originals(fake_stack):
     import fakelib.core
 

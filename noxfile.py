@@ -54,7 +54,8 @@ ENGINE_TESTS = (
 )
 
 nox.options.sessions = (
-    [f"engine-{version}" for version in PYTHONS] + ["engine-lowest"] + list(STACKS) + [name for name, _, _ in OTHER_PYTHON_STACKS]
+    [f"engine-{version}" for version in PYTHONS] + ["engine-lowest"] + list(STACKS)
+    + [name for name, _, _ in OTHER_PYTHON_STACKS]
     + [name for name, _, _ in POINT_STACKS]
 )
 

@@ -416,8 +416,8 @@ def test_a_strict_install_that_cannot_wrap_an_imported_target_raises_and_leaves_
     import fakelib.core
 
     original, describe = fakelib.core.compute, vars(fakelib.core.Thing)["describe"]
-    devmap_shims.register(Shim("fake-fix", ("fake-bug",), (Target("fakelib.core", "compute"),), "no_such_module:repair"),
-                          matrix_rows=[fake_row(last_checked="2026-11-01")])
+    broken = Shim("fake-fix", ("fake-bug",), (Target("fakelib.core", "compute"),), "no_such_module:repair")
+    devmap_shims.register(broken, matrix_rows=[fake_row(last_checked="2026-11-01")])
     devmap_shims.register(Shim("fake-good", ("fake-bug",), (Target("fakelib.core", "Thing.describe"),), add_one))
     with pytest.raises(ShimError, match="could not wrap fakelib.core:compute"):
         devmap_shims.install(strict=True)

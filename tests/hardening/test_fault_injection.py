@@ -139,7 +139,8 @@ def test_strict_install_after_import_accelerate_raises_when_a_target_cannot_be_w
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
     outputs = {}
     for mode in ("strict", "lenient"):
-        proc = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, env=env, timeout=300)
+        proc = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, env=env,
+                              timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         outputs[mode] = proc.stdout
     assert "RAISED shim 'device-map-balance' could not wrap" in outputs["strict"]

@@ -25,10 +25,11 @@ calls = []
 def spy(wrapped, instance, args, kwargs):
     calls.append(type(instance).__name__)
     return wrapped(*args, **kwargs)
-row = {"id": "tiny-bug", "title": "t", "library": "torch", "affected": {"torch": ">=1.0"}, "fixed_in": "unfixed",
-       "symptom": "s", "root_cause": "r", "upstream": ["acme/tiny#1"], "verification": ["I"], "workaround": "w",
-       "last_checked": "2026-11-01"}
-devmap_shims.register(Shim("tiny-fix", ("tiny-bug",), (Target("tinylib", "Net.forward"),), spy), matrix_rows=[row])
+row = {"id": "tiny-bug", "title": "t", "library": "torch", "affected": {"torch": ">=1.0"},
+       "fixed_in": "unfixed", "symptom": "s", "root_cause": "r", "upstream": ["acme/tiny#1"],
+       "verification": ["I"], "workaround": "w", "last_checked": "2026-11-01"}
+shim = Shim("tiny-fix", ("tiny-bug",), (Target("tinylib", "Net.forward"),), spy)
+devmap_shims.register(shim, matrix_rows=[row])
 devmap_shims.install(only=["tiny-fix"])
 import tinylib
 from accelerate import Accelerator

@@ -94,7 +94,7 @@ def test_cuda_api_answers_as_the_machine():
             assert torch.cuda.current_device() == 1
             assert torch.zeros(1, device="cuda").get_device() == 1
         assert torch.cuda.current_device() == 2
-        with pytest.raises(ValueError, match="Expected a torch.device with a specified index or an integer, but got:cuda"):
+        with pytest.raises(ValueError, match="with a specified index or an integer, but got:cuda"):
             torch.cuda.set_device("cuda")  # set_device needs an index; torch.cuda.device("cuda") does not
         with torch.cuda.device("cuda"):
             assert torch.cuda.current_device() == 2
@@ -438,7 +438,9 @@ def test_zero_dim_values_cross_devices_where_cuda_kernels_read_them():
         assert a.masked_fill(a > 0, v1).cpu().tolist() == [-1.0, 0.0, 9.0]
         with pytest.raises(RuntimeError) as exc:
             a.masked_fill((a > 0).to("cuda:1"), 0.0)
-        assert str(exc.value) == "expected self and mask to be on the same device, but got mask on cuda:1 and self on cuda:0"
+        assert str(exc.value) == (
+            "expected self and mask to be on the same device, but got mask on cuda:1 and self on cuda:0"
+        )
         with pytest.raises(RuntimeError) as exc:
             torch.where(a > 0, a, torch.ones(3, device="cuda:1"))  # not 0-dim: still refused
         assert "cuda:0" in str(exc.value) and "cuda:1" in str(exc.value)
@@ -730,6 +732,7 @@ def _outcome(fn):
     return "ok", str(out.device) if isinstance(out, torch.Tensor) else repr(out)
 
 
+GPU = "cuda:0"
 PARITY_SCENARIOS = {
     "cuda_plus_cpu": lambda: torch.ones(2, device="cuda:0") + torch.ones(2),
     "cpu_plus_cuda": lambda: torch.ones(2) + torch.ones(2, device="cuda:0"),
@@ -743,18 +746,18 @@ PARITY_SCENARIOS = {
     "cpu_index_ok": lambda: torch.arange(4.0, device="cuda:0")[torch.tensor([1, 3])],
     "to_same_is_self": lambda: (lambda t: t.to("cuda:0") is t)(torch.ones(1, device="cuda:0")),
     "numpy": lambda: torch.ones(1, device="cuda:0").numpy(),
-    "index_put_cpu_values": lambda: _put(torch.zeros(3, 2, device="cuda:0"), torch.tensor([0, 2]), torch.ones(2, 2)),
-    "index_put_cpu_0dim_ok": lambda: _put(torch.zeros(3, device="cuda:0"), torch.tensor([0, 2]), torch.tensor(5.0)),
+    "index_put_cpu_values": lambda: _put(torch.zeros(3, 2, device=GPU), torch.tensor([0, 2]), torch.ones(2, 2)),
+    "index_put_cpu_0dim_ok": lambda: _put(torch.zeros(3, device=GPU), torch.tensor([0, 2]), torch.tensor(5.0)),
     "mask_put_one_cpu_element_ok": lambda: _put(
-        torch.zeros(3, device="cuda:0"), torch.tensor([True, False, True], device="cuda:0"), torch.tensor([7.0])
+        torch.zeros(3, device=GPU), torch.tensor([True, False, True], device=GPU), torch.tensor([7.0])
     ),
     "where_cpu_0dim_other_ok": lambda: torch.where(
-        torch.tensor([True, False], device="cuda:0"), torch.ones(2, device="cuda:0"), torch.tensor(0.0)
+        torch.tensor([True, False], device=GPU), torch.ones(2, device=GPU), torch.tensor(0.0)
     ),
-    "fill_cuda_0dim_into_cpu_ok": lambda: torch.zeros(2).fill_(torch.tensor(3.0, device="cuda:0")),
-    "masked_fill_cpu_mask": lambda: torch.ones(2, device="cuda:0").masked_fill(torch.tensor([True, False]), 0.0),
-    "list_of_cuda_0dim_is_cpu": lambda: torch.tensor([torch.tensor(1.0, device="cuda:0")]),
-        "slice_put_cpu_ok": lambda: _put(torch.zeros(3, 2, device="cuda:0"), slice(0, 2), torch.ones(2, 2)),
+    "fill_cuda_0dim_into_cpu_ok": lambda: torch.zeros(2).fill_(torch.tensor(3.0, device=GPU)),
+    "masked_fill_cpu_mask": lambda: torch.ones(2, device=GPU).masked_fill(torch.tensor([True, False]), 0.0),
+    "list_of_cuda_0dim_is_cpu": lambda: torch.tensor([torch.tensor(1.0, device=GPU)]),
+    "slice_put_cpu_ok": lambda: _put(torch.zeros(3, 2, device=GPU), slice(0, 2), torch.ones(2, 2)),
 }
 
 

@@ -146,8 +146,8 @@ class Engine:
                 triggers = tuple(TARGET_DISTRIBUTIONS) + tuple(catalog.libraries())
                 importhook.before_first_import(triggers, self.load_builtins, _raise_shim_errors)
             except ShimError:
-                # strict mode, a target already imported that could not be wrapped: every other
-                # target was still tried; nothing stays installed, so the error is the outcome
+                # strict mode, a target already imported that could not be wrapped: nothing stays
+                # installed, so the error is the whole outcome (a second call answers the same)
                 self.uninstall()
                 raise
             self.imported_before_install = self._imported_targets()
@@ -180,8 +180,7 @@ class Engine:
         """Import the built-in shim modules and arm their shims (once per install). Called just
         before a target library is first imported, at ``install()`` if one already is, and by
         :meth:`status`. A shim module that fails to import is reported and skipped; in strict mode a
-        target already imported that cannot be wrapped raises ShimError, once every other target
-        has been tried."""
+        target already imported that cannot be wrapped raises ShimError."""
         from devmap_shims.shims import catalog
 
         registry = self.registry

@@ -192,13 +192,25 @@ def _after_import_in_progress(module_name: str, module: Any) -> None:
     the import without importing anything itself: importing again after a failure would run the
     module's code a second time, behind the program's back."""
 
+    spec = getattr(module, "__spec__", None)
+
+    def current() -> Any:
+        # the module, or what it put in its place (transformers' and diffusers' _LazyModule keep
+        # the spec); None once a failed import took it out of sys.modules
+        found = sys.modules.get(module_name)
+        if found is module or (spec is not None and getattr(found, "__spec__", None) is spec):
+            return found
+        return None
+
     def wait_then_run() -> None:
         import time
 
-        while sys.modules.get(module_name) is module and _is_initialising(module):
+        found = current()
+        while found is not None and _is_initialising(found):
             time.sleep(0.005)
-        if sys.modules.get(module_name) is module:
-            _run_hooks(module)
+            found = current()
+        if found is not None:
+            _run_hooks(found)
 
     threading.Thread(target=wait_then_run, name=f"devmap-shims waits for {module_name}", daemon=True).start()
 

@@ -56,9 +56,10 @@ def devmap_wrapper_type() -> type:
                 # model), and peft does the same with forward and generate; the wrapped original's
                 # __func__ would leave the repair out of every later call. Read from the class, the
                 # layer takes the instance from the call's first argument, as for Class.method(obj).
+                func = self.__wrapped__.__func__  # AttributeError where the original has none
                 if self._self_binding == "function" and self._self_instance is not None:
                     return self._self_parent.__get__(None, type(self._self_instance))
-                return self.__wrapped__.__func__
+                return func
 
             def __copy__(self) -> Any:
                 return self

@@ -63,10 +63,9 @@ def index_of(device: Any = None, optional: bool = True) -> int:
     ``_get_device_index``), else a ValueError with torch's message (``set_device("cuda")``)."""
     bare = (isinstance(device, str) and device.strip() == "cuda") or (
         isinstance(device, torch.device) and device.type == "cuda" and device.index is None)
-    if bare and not optional:
-        raise ValueError(
-            f"Expected a torch.device with a specified index or an integer, but got:{torch.device(device)}"
-        )
+    if (bare or device is None) and not optional:
+        shown = None if device is None else torch.device(device)
+        raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{shown}")
     if device is None or bare:
         return S.MACHINE.current_device
     target = parse_device(device)

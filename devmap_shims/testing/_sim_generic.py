@@ -192,7 +192,7 @@ def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
                 for b in a:
                     if isinstance(b, _Tensor):
                         ts.append(b)
-    listed = func in LIST_FACTORIES and args and isinstance(args[0], (list, tuple))
+    listed = func in LIST_FACTORIES and isinstance(args[0] if args else kwargs.get("data"), (list, tuple))
     if ts and (func in NUMBER_FACTORIES or listed):
         ts = []  # torch.arange(0, 1, 1 / n) with n on a GPU is made on the CPU, as CUDA torch makes it
     if not ts:

@@ -196,8 +196,7 @@ def _h_index(func, args, kwargs):
                 raise RuntimeError(
                     f"indices should be either on cpu or on the same device as the indexed tensor ({fmt_device(own)})"
                 )
-    advanced = isinstance(index, list) or any(isinstance(i, (_Tensor, list)) for i in idxs)
-    if func is _TensorBase.__setitem__ and len(args) > 2 and advanced:
+    if func is _TensorBase.__setitem__ and len(args) > 2 and _advanced(index, idxs):
         _check_put_value(self, idxs, args[2])  # x[mask] = v, x[idx] = v: advanced, so index_put_
     out = func(*args, **kwargs)
     if isinstance(own, int):
@@ -205,20 +204,37 @@ def _h_index(func, args, kwargs):
     return out
 
 
-def _check_put_value(self: torch.Tensor, indices: Any, value: Any) -> None:
+def _advanced(index: Any, parts: Any) -> bool:
+    """Whether ``x[index] = v`` runs ``index_put_``: a list, or a tensor that is not a 0-dim
+    integer one (``x[torch.tensor(1)]`` selects with ``item()`` and copies, as ``x[1]`` does)."""
+    if isinstance(index, list):
+        return True
+    return any(
+        isinstance(i, list) or (isinstance(i, _Tensor) and (i.dim() > 0 or i.dtype in _MASK_DTYPES))
+        for i in parts
+    )
+
+
+_MASK_DTYPES = (torch.bool, torch.uint8)
+
+
+def _check_put_value(self: torch.Tensor, indices: Any, value: Any, accumulate: bool = False) -> None:
     """``index_put_``'s value must be on self's device, except a 0-dim one (copied over) and a
-    one-element CPU value under one boolean mask on self's device (filled in by ``masked_fill_``
-    with ``value.item()``): aten/src/ATen/native/TensorAdvancedIndexing.cpp ``_index_put_impl_``,
-    then the TensorIterator of ``make_index_put_iterator``."""
+    one-element CPU value under one mask on self's device (filled in by ``masked_fill_`` with
+    ``value.item()``, never when accumulating): aten/src/ATen/native/TensorAdvancedIndexing.cpp
+    ``_index_put_impl_``, then the TensorIterator of ``make_index_put_iterator``, or on CUDA with
+    ``accumulate=True`` the check before ``index_put_with_sort``."""
     if not isinstance(value, _Tensor) or value.dim() == 0:
         return
     own, other = device_key(self), device_key(value)
     if other == own:
         return
-    indices = [i for i in indices if i is not None]
-    if (value.numel() == 1 and not isinstance(other, int) and other.type == "cpu" and len(indices) == 1
-            and isinstance(indices[0], _Tensor) and indices[0].dtype == torch.bool
-            and device_key(indices[0]) == own):
+    tensors = [i for i in indices if isinstance(i, _Tensor)]
+    if accumulate:
+        if isinstance(own, int):
+            raise RuntimeError(f"expected device {fmt_device(own)} but got device {fmt_device(other)} for value tensor")
+    elif (value.numel() == 1 and not isinstance(other, int) and other.type == "cpu" and len(tensors) == 1
+            and tensors[0].dtype in _MASK_DTYPES and device_key(tensors[0]) == own):
         return
     raise ti_mismatch(own, other)
 
@@ -227,7 +243,7 @@ def _h_index_put(func, args, kwargs):
     """``index_put_`` / ``index_put``: the value's device is checked as the kernel does."""
     indices = argument_at(args, kwargs, 1, "indices")
     _check_put_value(args[0], indices if isinstance(indices, (tuple, list)) else (indices,),
-                     argument_at(args, kwargs, 2, "values"))
+                     argument_at(args, kwargs, 2, "values"), bool(argument_at(args, kwargs, 3, "accumulate")))
     return _h_self_device(func, args, kwargs)
 
 
@@ -242,46 +258,66 @@ def _zero_dim_to(value: Any, key: Any) -> Any:
     return out
 
 
+def _with_arguments(args: Any, kwargs: Dict[str, Any], names: Any, values: Any) -> Any:
+    """``(args, kwargs)`` with the arguments ``names`` (positional first, in this order) replaced."""
+    args = list(args)
+    kwargs = dict(kwargs)
+    for position, (name, value) in enumerate(zip(names, values)):
+        if position < len(args):
+            args[position] = value
+        else:
+            kwargs[name] = value
+    return tuple(args), kwargs
+
+
+def _is_gpu(key: Any) -> bool:
+    return isinstance(key, int) or (key is not None and key.type != "cpu")
+
+
 def _h_where(func, args, kwargs):
-    """``where(condition, input, other)``: the result goes to the first non-CPU device of the three
-    and a 0-dim operand elsewhere is moved there (aten/src/ATen/native/TensorCompare.cpp
-    ``where_self_out``)."""
-    if kwargs or len(args) != 3:
+    """``where(condition, input, other)``: the result goes to ``out``'s device, else to the first
+    non-CPU device of the three, and a 0-dim operand elsewhere is moved there
+    (aten/src/ATen/native/TensorCompare.cpp ``where`` and ``where_self_out``)."""
+    names = ("input", "condition", "other") if func is _TensorBase.where else ("condition", "input", "other")
+    values = [argument_at(args, kwargs, i, name) for i, name in enumerate(names)]
+    if any(v is None for v in values):  # where(condition): nonzero
         return generic(func, args, kwargs)
-    operands = [args[1], args[0], args[2]] if func is _TensorBase.where else list(args)  # cond, input, other
-    keys = [device_key(a) if isinstance(a, _Tensor) else None for a in operands]
-    out_key = next((k for k in keys if isinstance(k, int) or (k is not None and k.type != "cpu")), None)
-    if out_key is None:
+    by_name = dict(zip(names, values))
+    out = kwargs.get("out")
+    if isinstance(out, _Tensor):
+        out_key = device_key(out)
+    else:
+        keys = [device_key(by_name[n]) for n in ("condition", "input", "other") if isinstance(by_name[n], _Tensor)]
+        out_key = next((k for k in keys if _is_gpu(k)), None)
+    if not _is_gpu(out_key):
         return generic(func, args, kwargs)
-    cond, inp, other = (_zero_dim_to(a, out_key) for a in operands)
-    return generic(func, (inp, cond, other) if func is _TensorBase.where else (cond, inp, other), kwargs)
+    args, kwargs = _with_arguments(args, kwargs, names, [_zero_dim_to(v, out_key) for v in values])
+    return generic(func, args, kwargs)
 
 
 def _h_fill(func, args, kwargs):
     """``fill_(value)``: a 0-dim value on any device fills by its value (ATen Fill.cpp)."""
-    args = list(args)
-    if len(args) > 1:
-        args[1] = _zero_dim_to(args[1], device_key(args[0]))
-    return generic(func, tuple(args), kwargs)
+    value = argument_at(args, kwargs, 1, "value")
+    args, kwargs = _with_arguments(args, kwargs, ("self", "value"), (args[0], _zero_dim_to(value, device_key(args[0]))))
+    return generic(func, args, kwargs)
 
 
 def _h_masked_fill(func, args, kwargs):
     """``masked_fill(mask, value)``: a CUDA tensor's mask must be on its device, with the kernel's own
-    message (the op's generated device check is off); a 0-dim value fills by its value."""
-    args = list(args)
-    self = args[0]
+    message (the op's generated device check is off); a 0-dim value fills by its value, from any
+    device into a CUDA tensor, and only from the CPU into a CPU one."""
+    names = ("self" if func is not torch.masked_fill else "input", "mask", "value")
+    self, mask, value = (argument_at(args, kwargs, i, name) for i, name in enumerate(names))
     own = device_key(self)
-    mask = argument_at(args, kwargs, 1, "mask")
     if isinstance(own, int) and isinstance(mask, _Tensor) and device_key(mask) != own:
         raise RuntimeError(
             "expected self and mask to be on the same device, but got mask on "
             f"{fmt_device(device_key(mask))} and self on {fmt_device(own)}"
         )
-    if len(args) > 2:
-        args[2] = _zero_dim_to(args[2], own)
-    elif "value" in kwargs:
-        kwargs = dict(kwargs, value=_zero_dim_to(kwargs["value"], own))
-    return generic(func, tuple(args), kwargs)
+    if not _is_gpu(own) and isinstance(value, _Tensor) and _is_gpu(device_key(value)):
+        raise RuntimeError("masked_fill_: Expected inputs to be on same device")
+    args, kwargs = _with_arguments(args, kwargs, names, (self, mask, _zero_dim_to(value, own)))
+    return generic(func, args, kwargs)
 
 
 def _h_backward(func, args, kwargs):

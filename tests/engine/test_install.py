@@ -442,17 +442,22 @@ def test_uninstall_cancels_the_wait_for_a_target_library(fake_stack):
 @pytest.mark.parametrize("fails", [False, True], ids=["import-succeeds", "import-fails"])
 def test_install_during_another_threads_import_of_a_target_waits_for_it(fake_stack, fails):
     """install() while another thread is still running a target module: the shim arms when that
-    import finishes, and when it fails, the module's code is not run a second time."""
+    import finishes (on the object the module left in sys.modules in its place), and when it fails,
+    the module's code is not run a second time."""
     import threading
 
     (fake_stack / "fakelib" / "_gate.py").write_text(
         "import threading\nstarted, release, runs = threading.Event(), threading.Event(), []\n"
     )
     (fake_stack / "fakelib" / "slow.py").write_text(
-        "import threading\nfrom fakelib._gate import started, release, runs\n"
+        "import sys, threading, types\nfrom fakelib._gate import started, release, runs\n"
         "runs.append(threading.current_thread().name)\nstarted.set()\nrelease.wait(30)\n"
         "def compute(x):\n    return x\n"
         + ("raise RuntimeError('the import failed')\n" if fails else "")
+        # as transformers' _LazyModule: the module puts another object in its place, same spec
+        + "class _Lazy(types.ModuleType):\n    pass\n"
+        "lazy = _Lazy(__name__)\nlazy.__dict__.update({k: v for k, v in globals().items() if k != '__name__'})\n"
+        "sys.modules[__name__] = lazy\n"
     )
     from fakelib import _gate
 
@@ -480,6 +485,7 @@ def test_install_during_another_threads_import_of_a_target_waits_for_it(fake_sta
     if fails:
         assert isinstance(outcome[0], RuntimeError)
     else:
+        assert type(outcome[0]).__name__ == "_Lazy"
         assert outcome[0].compute(1) == 2 and shim_status()["state"] == "active"
 
 

@@ -96,6 +96,8 @@ def test_cuda_api_answers_as_the_machine():
         assert torch.cuda.current_device() == 2
         with pytest.raises(ValueError, match="with a specified index or an integer, but got:cuda"):
             torch.cuda.set_device("cuda")  # set_device needs an index; torch.cuda.device("cuda") does not
+        with pytest.raises(ValueError, match="but got:None"):
+            torch.cuda.set_device(None)
         with torch.cuda.device("cuda"):
             assert torch.cuda.current_device() == 2
 
@@ -420,6 +422,10 @@ def test_advanced_index_assignment_checks_the_values_device():
         assert str(exc.value) == mismatch_ti("cuda:0", "cuda:1")
         x[rows] = torch.tensor(5.0, device="cuda:1")  # 0-dim: copied to cuda:0
         x[mask.to("cuda:0")] = torch.tensor([7.0])  # one CPU element under a mask on x's device
+        x[:, torch.tensor([True, False], device="cuda:0")] = torch.tensor([7.0])  # the mask after a slice
+        x[torch.tensor(1)] = torch.ones(2, device="cuda:1")  # a 0-dim integer index selects, then copies
+        with pytest.raises(RuntimeError, match="^expected device cuda:0 but got device cpu for value tensor$"):
+            x.index_put_((mask.to("cuda:0"),), torch.tensor([7.0]), accumulate=True)  # no masked_fill_ there
         x[0:2] = torch.ones(2, 2, device="cuda:1")  # basic indexing: a copy, across devices
         x[rows] = torch.full((2, 2), 3.0, device="cuda:0")
         assert x.device.index == 0 and x.cpu().tolist() == [[3.0, 3.0], [1.0, 1.0], [3.0, 3.0]]
@@ -436,6 +442,13 @@ def test_zero_dim_values_cross_devices_where_cuda_kernels_read_them():
         assert a.clone().fill_(v1).cpu().tolist() == [9.0] * 3
         assert torch.zeros(2).fill_(v0).tolist() == [4.0, 4.0]
         assert a.masked_fill(a > 0, v1).cpu().tolist() == [-1.0, 0.0, 9.0]
+        assert torch.masked_fill(input=a, mask=a > 0, value=v1).cpu().tolist() == [-1.0, 0.0, 9.0]
+        assert torch.where(condition=a > 0, input=a, other=v1).cpu().tolist() == [9.0, 9.0, 1.0]
+        out = torch.empty(3, device="cuda:0")
+        assert torch.where(a > 0, a, v1, out=out) is out and out.cpu().tolist() == [9.0, 9.0, 1.0]
+        assert a.clone().fill_(value=v1).cpu().tolist() == [9.0] * 3
+        with pytest.raises(RuntimeError, match="^masked_fill_: Expected inputs to be on same device$"):
+            torch.zeros(2).masked_fill(torch.tensor([True, False]), v0)  # into a CPU tensor: no
         with pytest.raises(RuntimeError) as exc:
             a.masked_fill((a > 0).to("cuda:1"), 0.0)
         assert str(exc.value) == (
@@ -448,6 +461,7 @@ def test_zero_dim_values_cross_devices_where_cuda_kernels_read_them():
         assert (b0.device.index, b1.device.index, tuple(b1.shape)) == (0, 1, (3,))
         listed = torch.tensor([v0, v1])
         assert listed.device.type == "cpu" and (listed + torch.ones(2)).tolist() == [5.0, 10.0]
+        assert torch.tensor(data=[v1]).device.type == "cpu"
         assert torch.tensor(v1).device.index == 1  # a tensor itself keeps its device
 
 

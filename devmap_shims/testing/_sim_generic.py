@@ -171,6 +171,11 @@ def _run_announcing(func: Any, args: Sequence[Any], kwargs: Dict[str, Any], comm
         depth.op_outputs = before
 
 
+def _data_is_a_list(args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+    """``torch.tensor`` / ``as_tensor`` given a list or tuple (read as numbers), not a tensor."""
+    return isinstance(args[0] if args else kwargs.get("data"), (list, tuple))
+
+
 def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
     """Run ``func`` on the CPU tensors and tag its results (see the module docstring)."""
     default = _device_module.CURRENT_DEVICE
@@ -192,8 +197,7 @@ def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
                 for b in a:
                     if isinstance(b, _Tensor):
                         ts.append(b)
-    listed = func in LIST_FACTORIES and isinstance(args[0] if args else kwargs.get("data"), (list, tuple))
-    if ts and (func in NUMBER_FACTORIES or listed):
+    if ts and (func in NUMBER_FACTORIES or (func in LIST_FACTORIES and _data_is_a_list(args, kwargs))):
         ts = []  # torch.arange(0, 1, 1 / n) with n on a GPU is made on the CPU, as CUDA torch makes it
     if not ts:
         if kwargs.get("generator") is not None:

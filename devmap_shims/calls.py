@@ -48,6 +48,23 @@ def argument_at(args: Sequence[Any], kwargs: Mapping[str, Any], position: int, *
     return None
 
 
+def with_arguments_at(
+    args: Sequence[Any], kwargs: Mapping[str, Any], names: Sequence[str], values: Sequence[Any]
+) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """The call's ``(args, kwargs)`` with its first arguments replaced, the inverse of
+    :func:`argument_at`: ``values[i]`` at position ``i`` if the caller passed that many positional
+    arguments, else as keyword ``names[i]`` (for callables without a signature, such as torch's
+    builtins, where :func:`with_argument` cannot look one up)."""
+    args = list(args)
+    kwargs = dict(kwargs)
+    for position, (name, value) in enumerate(zip(names, values)):
+        if position < len(args):
+            args[position] = value
+        else:
+            kwargs[name] = value
+    return tuple(args), kwargs
+
+
 def positions(func: Callable[..., Any]) -> Dict[str, int]:
     """Positional index of each parameter of ``func`` that can be passed by position."""
     key = _key(func)

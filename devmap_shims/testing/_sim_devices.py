@@ -89,5 +89,10 @@ def device_key(t: torch.Tensor) -> Target:
     return _real_device_get(t)
 
 
+def off_cpu(key: Target) -> bool:
+    """A simulated GPU, or a real device other than the CPU (``meta``)."""
+    return isinstance(key, int) or key.type != "cpu"
+
+
 def fmt_device(key: Target) -> str:
     return f"cuda:{key}" if isinstance(key, int) else str(key)

@@ -2,9 +2,11 @@
 
 Moves (``to``/``cuda``/``cpu``/``type``/``type_as``) copy when the simulated device changes and
 return the tensor itself when it does not, as CUDA does; ``new_*`` and ``copy_`` keep self's
-device; indexing accepts CPU index tensors; ``numpy()`` and ``pin_memory()`` raise on tensors on
-simulated GPUs; ``backward()`` checks the gradients it is given and ``Tensor.grad`` keeps
-gradients on their tensors' devices (:mod:`._sim_autograd`). :data:`PASSTHROUGH` lists the
+device; indexing accepts CPU index tensors, and an assignment through it checks its value as
+``index_put_`` does (:mod:`._sim_values`, with ``where``, ``fill_`` and ``masked_fill``);
+``numpy()`` and ``pin_memory()`` raise on tensors on simulated GPUs; ``backward()`` checks the
+gradients it is given and ``Tensor.grad`` keeps gradients on their tensors' devices
+(:mod:`._sim_autograd`). :data:`PASSTHROUGH` lists the
 metadata getters and queries that run untouched (the fast path).
 """
 
@@ -18,11 +20,11 @@ from devmap_shims.calls import argument_at
 
 from . import _sim_state as S
 from ._sim_autograd import check_backward_call, h_grad_get, h_grad_set
-from ._sim_device_checks import ti_mismatch
-from ._sim_devices import device_key, fmt_device, parse_device
-from ._sim_generic import dtype_itemsize, generic
+from ._sim_devices import device_key, fmt_device, off_cpu, parse_device
+from ._sim_generic import dtype_itemsize
 from ._sim_operands import torch_functions
 from ._sim_storages import is_pinned, mark_pinned, same_storage, sim_copy, tag, tag_all
+from ._sim_values import advanced, check_put_value, h_fill, h_masked_fill, h_where
 
 _TensorBase = torch._C.TensorBase
 _Tensor = torch.Tensor
@@ -192,132 +194,24 @@ def _h_index(func, args, kwargs):
     for i in idxs:
         if isinstance(i, _Tensor):
             k = device_key(i)
-            if k != own and not (isinstance(k, torch.device) and k.type == "cpu"):
+            if k != own and off_cpu(k):
                 raise RuntimeError(
                     f"indices should be either on cpu or on the same device as the indexed tensor ({fmt_device(own)})"
                 )
-    if func is _TensorBase.__setitem__ and len(args) > 2 and _advanced(index, idxs):
-        _check_put_value(self, idxs, args[2])  # x[mask] = v, x[idx] = v: advanced, so index_put_
+    if func is _TensorBase.__setitem__ and len(args) > 2 and advanced(index, idxs):
+        check_put_value(self, idxs, args[2])  # x[mask] = v, x[idx] = v: advanced, so index_put_
     out = func(*args, **kwargs)
     if isinstance(own, int):
         tag_all(out, own)
     return out
 
 
-def _advanced(index: Any, parts: Any) -> bool:
-    """Whether ``x[index] = v`` runs ``index_put_``: a list, or a tensor that is not a 0-dim
-    integer one (``x[torch.tensor(1)]`` selects with ``item()`` and copies, as ``x[1]`` does)."""
-    if isinstance(index, list):
-        return True
-    return any(
-        isinstance(i, list) or (isinstance(i, _Tensor) and (i.dim() > 0 or i.dtype in _MASK_DTYPES))
-        for i in parts
-    )
-
-
-_MASK_DTYPES = (torch.bool, torch.uint8)
-
-
-def _check_put_value(self: torch.Tensor, indices: Any, value: Any, accumulate: bool = False) -> None:
-    """``index_put_``'s value must be on self's device, except a 0-dim one (copied over) and a
-    one-element CPU value under one mask on self's device (filled in by ``masked_fill_`` with
-    ``value.item()``, never when accumulating): aten/src/ATen/native/TensorAdvancedIndexing.cpp
-    ``_index_put_impl_``, then the TensorIterator of ``make_index_put_iterator``, or on CUDA with
-    ``accumulate=True`` the check before ``index_put_with_sort``."""
-    if not isinstance(value, _Tensor) or value.dim() == 0:
-        return
-    own, other = device_key(self), device_key(value)
-    if other == own:
-        return
-    tensors = [i for i in indices if isinstance(i, _Tensor)]
-    if accumulate:
-        if isinstance(own, int):
-            raise RuntimeError(f"expected device {fmt_device(own)} but got device {fmt_device(other)} for value tensor")
-    elif (value.numel() == 1 and not isinstance(other, int) and other.type == "cpu" and len(tensors) == 1
-            and tensors[0].dtype in _MASK_DTYPES and device_key(tensors[0]) == own):
-        return
-    raise ti_mismatch(own, other)
-
-
 def _h_index_put(func, args, kwargs):
     """``index_put_`` / ``index_put``: the value's device is checked as the kernel does."""
     indices = argument_at(args, kwargs, 1, "indices")
-    _check_put_value(args[0], indices if isinstance(indices, (tuple, list)) else (indices,),
+    check_put_value(args[0], indices if isinstance(indices, (tuple, list)) else (indices,),
                      argument_at(args, kwargs, 2, "values"), bool(argument_at(args, kwargs, 3, "accumulate")))
     return _h_self_device(func, args, kwargs)
-
-
-def _zero_dim_to(value: Any, key: Any) -> Any:
-    """``value`` copied to device ``key`` when it is a 0-dim tensor elsewhere (what CUDA's kernels do
-    with a 0-dim operand: ``where`` moves it, ``fill_`` and ``masked_fill`` read ``value.item()``)."""
-    if not isinstance(value, _Tensor) or value.dim() != 0 or device_key(value) == key:
-        return value
-    out = sim_copy(value)
-    if isinstance(key, int):
-        tag(out, key)
-    return out
-
-
-def _with_arguments(args: Any, kwargs: Dict[str, Any], names: Any, values: Any) -> Any:
-    """``(args, kwargs)`` with the arguments ``names`` (positional first, in this order) replaced."""
-    args = list(args)
-    kwargs = dict(kwargs)
-    for position, (name, value) in enumerate(zip(names, values)):
-        if position < len(args):
-            args[position] = value
-        else:
-            kwargs[name] = value
-    return tuple(args), kwargs
-
-
-def _is_gpu(key: Any) -> bool:
-    return isinstance(key, int) or (key is not None and key.type != "cpu")
-
-
-def _h_where(func, args, kwargs):
-    """``where(condition, input, other)``: the result goes to ``out``'s device, else to the first
-    non-CPU device of the three, and a 0-dim operand elsewhere is moved there
-    (aten/src/ATen/native/TensorCompare.cpp ``where`` and ``where_self_out``)."""
-    names = ("input", "condition", "other") if func is _TensorBase.where else ("condition", "input", "other")
-    values = [argument_at(args, kwargs, i, name) for i, name in enumerate(names)]
-    if any(v is None for v in values):  # where(condition): nonzero
-        return generic(func, args, kwargs)
-    by_name = dict(zip(names, values))
-    out = kwargs.get("out")
-    if isinstance(out, _Tensor):
-        out_key = device_key(out)
-    else:
-        keys = [device_key(by_name[n]) for n in ("condition", "input", "other") if isinstance(by_name[n], _Tensor)]
-        out_key = next((k for k in keys if _is_gpu(k)), None)
-    if not _is_gpu(out_key):
-        return generic(func, args, kwargs)
-    args, kwargs = _with_arguments(args, kwargs, names, [_zero_dim_to(v, out_key) for v in values])
-    return generic(func, args, kwargs)
-
-
-def _h_fill(func, args, kwargs):
-    """``fill_(value)``: a 0-dim value on any device fills by its value (ATen Fill.cpp)."""
-    value = argument_at(args, kwargs, 1, "value")
-    args, kwargs = _with_arguments(args, kwargs, ("self", "value"), (args[0], _zero_dim_to(value, device_key(args[0]))))
-    return generic(func, args, kwargs)
-
-
-def _h_masked_fill(func, args, kwargs):
-    """``masked_fill(mask, value)``: a CUDA tensor's mask must be on its device, with the kernel's own
-    message (the op's generated device check is off); a 0-dim value fills by its value, from any
-    device into a CUDA tensor, and only from the CPU into a CPU one."""
-    names = ("self" if func is not torch.masked_fill else "input", "mask", "value")
-    self, mask, value = (argument_at(args, kwargs, i, name) for i, name in enumerate(names))
-    own = device_key(self)
-    if isinstance(own, int) and isinstance(mask, _Tensor) and device_key(mask) != own:
-        raise RuntimeError(
-            "expected self and mask to be on the same device, but got mask on "
-            f"{fmt_device(device_key(mask))} and self on {fmt_device(own)}"
-        )
-    if not _is_gpu(own) and isinstance(value, _Tensor) and _is_gpu(device_key(value)):
-        raise RuntimeError("masked_fill_: Expected inputs to be on same device")
-    args, kwargs = _with_arguments(args, kwargs, names, (self, mask, _zero_dim_to(value, own)))
-    return generic(func, args, kwargs)
 
 
 def _h_backward(func, args, kwargs):
@@ -376,9 +270,9 @@ def _handlers() -> Dict[Any, Callable]:
         )],
     )
     put(_h_index_put, _TensorBase.index_put_, _TensorBase.index_put)
-    put(_h_where, torch.where, _TensorBase.where)
-    put(_h_fill, _TensorBase.fill_)
-    put(_h_masked_fill, _TensorBase.masked_fill, _TensorBase.masked_fill_, torch.masked_fill)
+    put(h_where, torch.where, _TensorBase.where)
+    put(h_fill, _TensorBase.fill_)
+    put(h_masked_fill, _TensorBase.masked_fill, _TensorBase.masked_fill_, torch.masked_fill)
     put(_h_numpy, _TensorBase.numpy, getattr(_Tensor, "__array__", None))
     put(_h_repr, _Tensor.__repr__, _Tensor.__str__ if "__str__" in _Tensor.__dict__ else None, _Tensor.__format__)
     put(_h_pin_memory, _TensorBase.pin_memory)

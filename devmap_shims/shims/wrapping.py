@@ -44,9 +44,7 @@ def devmap_wrapper_type() -> type:
                 wrapped = self.__wrapped__
                 owner = getattr(self, "_self_owner", None)  # wrapt >= 2.0 keeps the class it was read from
                 if owner is None:  # wrapt 1.x: the class that defines it, found as pickle finds a function
-                    owner = sys.modules[wrapped.__module__]
-                    for part in wrapped.__qualname__.split(".")[:-1]:
-                        owner = getattr(owner, part)
+                    owner = _owner_of(sys.modules[wrapped.__module__], wrapped.__qualname__)
                 return getattr, (owner, wrapped.__name__)
 
             @property
@@ -103,11 +101,8 @@ def resolve(module: ModuleType, qualname: str) -> Tuple[Any, str, Any]:
     Class attributes are read from ``vars()`` along the MRO so that descriptors (staticmethod,
     classmethod, functions) are seen unbound. Raises AttributeError naming what is missing.
     """
-    parts = qualname.split(".")
-    owner: Any = module
-    for part in parts[:-1]:
-        owner = getattr(owner, part)
-    name = parts[-1]
+    owner = _owner_of(module, qualname)
+    name = qualname.rpartition(".")[2]
     if isinstance(owner, type):
         for klass in owner.__mro__:
             if name in vars(klass):
@@ -125,6 +120,14 @@ def resolve(module: ModuleType, qualname: str) -> Tuple[Any, str, Any]:
     if name not in vars(owner):
         raise AttributeError(f"{module.__name__}.{qualname} does not exist")
     return owner, name, vars(owner)[name]
+
+
+def _owner_of(module: ModuleType, qualname: str) -> Any:
+    """What holds ``qualname``'s last part: ``module`` itself, or the class the dotted name reaches."""
+    owner: Any = module
+    for part in qualname.split(".")[:-1]:
+        owner = getattr(owner, part)
+    return owner
 
 
 def _top(module_name: str) -> str:

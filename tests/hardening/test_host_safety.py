@@ -437,8 +437,7 @@ def test_a_missing_console_stays_missing_while_a_plugin_loads(monkeypatch):
 
 def test_an_entry_points_file_that_is_a_fifo_is_not_read(tmp_path):
     # the working directory is on sys.path for `python -c`, and anybody may have made it; looking
-    # for plugins must not block on it (with a plugin installed, importlib.metadata reads every
-    # entry_points.txt and blocks there, as it does for any program that lists entry points)
+    # for plugins must not block on it
     folder = tmp_path / "trap-0.1.dist-info"
     folder.mkdir()
     os.mkfifo(folder / "entry_points.txt")
@@ -446,6 +445,21 @@ def test_an_entry_points_file_that_is_a_fifo_is_not_read(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "import devmap_shims; devmap_shims.install(); print('ALIVE')"],
                           capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout == "ALIVE\n", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["entry_points.txt", "METADATA"])
+def test_with_a_plugin_installed_a_fifo_in_another_distribution_is_not_read(evil, tmp_path, name):
+    # a real plugin makes the search read every distribution's files: one in the working directory
+    # whose entry points or metadata are a FIFO is skipped, and the plugin still loads
+    folder = tmp_path / "trap-0.1.dist-info"
+    folder.mkdir()
+    if name != "METADATA":
+        (folder / "METADATA").write_text("Metadata-Version: 2.1\nName: trap\nVersion: 0.1\n")
+    os.mkfifo(folder / name)
+    marker = tmp_path / "plugin-imported"
+    proc = evil("import devmap_shims; devmap_shims.install(); print('ALIVE')", EVIL_MARKER=str(marker))
+    assert proc.returncode == 0 and proc.stdout == "ALIVE\n", proc.stderr[-2000:]
+    assert marker.exists()  # the plugin was found and loaded
 
 
 def test_a_hanging_plugin_costs_its_budget_once_and_is_named(evil):

@@ -4,7 +4,8 @@ key/value states.
 Before ``StaticCache.update`` (and, on 4.45-4.49, ``HybridCache.update``) writes layer *i*'s new keys
 and values, the wrapper moves that layer's cached tensors to the device of ``key_states`` if they are
 elsewhere (once: afterwards they are there), which is what transformers 4.44.1 does inside
-``update``. A cache whose layout it does not know (no ``key_cache`` list) is left to the library.
+``update``. A cache whose layout it does not know (no ``key_cache`` list), and a layer whose tensors
+are still ``meta`` placeholders (4.49's generate), are left to the library.
 On 4.54.0, where a cache is a list of layer objects, the same move wraps ``update`` of the static,
 sliding-window and chunked layers, as 4.54.1 does inside them.
 
@@ -48,11 +49,18 @@ def move_layer_cache(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any
         and 0 <= layer_idx < min(len(keys), len(values)) and hasattr(key_states, "device")
     ):
         device = key_states.device
-        if keys[layer_idx].device != device:
+        if _elsewhere(keys[layer_idx], device):
             keys[layer_idx] = keys[layer_idx].to(device)
-        if values[layer_idx].device != device:
+        if _elsewhere(values[layer_idx], device):
             values[layer_idx] = values[layer_idx].to(device)
     return wrapped(*args, **kwargs)
+
+
+def _elsewhere(cached: Any, device: Any) -> bool:
+    """Whether a layer's cached tensor has data on a device other than ``device``. A placeholder on
+    ``meta`` has none: transformers 4.49 builds generate's static and hybrid caches that way, and
+    ``update`` makes the layer's tensors on the device of its key states itself."""
+    return cached.device != device and cached.device.type != "meta"
 
 
 def move_layer_tensors(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -61,7 +69,7 @@ def move_layer_tensors(wrapped: Callable[..., Any], instance: Any, args: Tuple[A
     keys = getattr(instance, "keys", None)
     values = getattr(instance, "values", None)
     device = getattr(key_states, "device", None)
-    if device is not None and hasattr(keys, "device") and hasattr(values, "device") and keys.device != device:
+    if device is not None and hasattr(keys, "device") and hasattr(values, "device") and _elsewhere(keys, device):
         instance.keys = keys.to(device)
         instance.values = values.to(device)
         if hasattr(instance, "device"):

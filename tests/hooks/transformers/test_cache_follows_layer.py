@@ -71,3 +71,36 @@ def test_a_layer_without_tensors_is_left_to_the_library():
     lazy = types.SimpleNamespace(keys=None, values=None)
     hook.move_layer_tensors(layer_update, lazy, (states, states), {})
     assert lazy.keys is None and lazy.values is None
+
+
+@SIM
+def test_meta_placeholders_are_left_for_update_to_make():
+    # transformers 4.49 builds generate's static and hybrid caches on meta; update() gives the layer
+    # real tensors on its key states' device (a meta tensor cannot be copied: .to() would raise)
+    c = cache("meta")
+    states = torch.ones(1, device="cuda:1")
+    assert hook.move_layer_cache(update, c, (states, states, 1), {}) == torch.device("cuda", 1)
+    assert {t.device.type for t in c.key_cache + c.value_cache} == {"meta"}
+    layer = types.SimpleNamespace(keys=torch.zeros(1, device="meta"), values=torch.zeros(1, device="meta"))
+    assert hook.move_layer_tensors(layer_update, layer, (states, states), {}) == torch.device("cuda", 1)
+    assert (layer.keys.device.type, layer.values.device.type) == ("meta", "meta")
+
+
+@pytest.mark.parametrize("arch, options", [("llama", {"cache_implementation": "static"}), ("gemma2", {})])
+def test_generate_with_the_librarys_own_cache_keeps_the_shim_on(shim, arch, options):
+    # Gemma-2's default cache is a HybridCache; on 4.49 both are built on meta: the shim stays
+    # armed (a failed repair would switch it off for the rest of the process) and changes no token
+    if not hasattr(pytest.importorskip("transformers.cache_utils"), "StaticCache"):
+        pytest.skip("this transformers has no static cache")
+    from devmap_shims import status
+    from devmap_shims.testing.models import PAD_ID, sample_input_ids, supported_archs, tiny_causal_lm
+
+    if arch not in supported_archs():
+        pytest.skip(f"this transformers cannot build {arch}")
+    model = tiny_causal_lm(arch)
+    ids = sample_input_ids()
+    with torch.no_grad():
+        tokens = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=PAD_ID, **options)
+    (entry,) = [s for s in status()["shims"] if s["id"] == hook.SHIM.id]
+    assert entry["state"] == "active" and entry["call_failures"] == 0, entry
+    assert tokens.shape == (1, ids.shape[1] + 3)

@@ -116,3 +116,44 @@ def generate_with_a_user_static_cache() -> str:
         out = model.generate(ids.to("cuda:0"), **{_cache_argument(model): cache}, max_new_tokens=NEW_TOKENS,
                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
     return same_tokens(out[:, ids.shape[-1]:], reference, "split over cuda:0 and cuda:1 with a StaticCache on cuda:0")
+
+
+#: The window of the tiny Mistral: longer than prompt and new tokens, so the window never slides
+#: and the tokens can be compared with the dynamic cache's on the CPU.
+SLIDING_WINDOW = 16
+
+
+def generate_with_a_user_sliding_window_cache() -> str:
+    """``generate(past_key_values=SlidingWindowCache(..., device="cuda:0"))`` on a tiny Mistral split
+    over cuda:0 and cuda:1, as the class's docstring builds it; the summary when the tokens equal
+    the CPU's."""
+    import torch
+
+    from devmap_shims.scenarios import ScenarioUnavailable
+    from devmap_shims.scenarios.checkpoints import cpu_greedy_tokens, same_tokens, tiny_checkpoint
+    from devmap_shims.testing import simulated_gpus
+    from devmap_shims.testing.models import PAD_ID, sample_input_ids, supported_archs, two_gpu_split
+    from devmap_shims.versions import installed_version, version_in
+
+    try:
+        from transformers import AutoModelForCausalLM, SlidingWindowCache
+    except ImportError:
+        raise ScenarioUnavailable(f"transformers {installed_version('transformers')} has no SlidingWindowCache") from None
+    if "mistral" not in supported_archs():
+        raise ScenarioUnavailable("this transformers cannot build Mistral")
+    if version_in(installed_version("transformers") or "0", ">=4.45.0,<4.46.0"):
+        raise ScenarioUnavailable("4.45's SlidingWindowCache.__init__ calls StaticCache.__init__() without its "
+                                  "config: no SlidingWindowCache can be built")
+    path = tiny_checkpoint("mistral", "sliding-window", sliding_window=SLIDING_WINDOW)
+    reference = cpu_greedy_tokens(path, NEW_TOKENS)
+    ids = sample_input_ids()
+    device_map = two_gpu_split(AutoModelForCausalLM.from_pretrained(path))
+    with simulated_gpus(2, memory="2GiB"), torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(path, device_map=device_map)
+        cache = SlidingWindowCache(config=model.config, max_batch_size=ids.shape[0],
+                                   max_cache_len=ids.shape[-1] + NEW_TOKENS, device="cuda:0", dtype=torch.float32)
+        out = model.generate(ids.to("cuda:0"), attention_mask=torch.ones_like(ids).to("cuda:0"),
+                             **{_cache_argument(model): cache}, max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)
+    return same_tokens(out[:, ids.shape[-1]:], reference,
+                       "Mistral split over cuda:0 and cuda:1 with a SlidingWindowCache on cuda:0")

@@ -1,10 +1,11 @@
 """Shim ``cache-follows-layer``: a layer's static-cache tensors follow the device of that layer's
 key/value states.
 
-Before ``StaticCache.update`` (and, on 4.45-4.49, ``HybridCache.update``) writes layer *i*'s new keys
-and values, the wrapper moves that layer's cached tensors to the device of ``key_states`` if they are
-elsewhere (once: afterwards they are there), which is what transformers 4.44.1 does inside
-``update``. A cache whose layout it does not know (no ``key_cache`` list), and a layer whose tensors
+Before ``StaticCache.update`` (and ``HybridCache.update`` on 4.45-4.49, ``SlidingWindowCache.update``
+on 4.42-4.53) writes layer *i*'s new keys and values, the wrapper moves that layer's cached tensors
+to the device of ``key_states`` if they are elsewhere (once: afterwards they are there), which is
+what transformers 4.44.1 does inside ``StaticCache.update`` (``SlidingWindowCache.update`` never
+did). A cache whose layout it does not know (no ``key_cache`` list), and a layer whose tensors
 are still ``meta`` placeholders (4.49's generate), are left to the library.
 On 4.54.0, where a cache is a list of layer objects, the same move wraps ``update`` of the static,
 sliding-window and chunked layers, as 4.54.1 does inside them.
@@ -18,6 +19,9 @@ Rows (generated from known_bugs.toml by scripts/regenerate.py):
         fixed in: transformers 4.54.1
     transformers-4540-cache-layers-on-last-gpu
         affected: transformers ==4.54.0
+        fixed in: transformers 4.54.1
+    transformers-sliding-window-cache-one-device
+        affected: transformers >=4.42.0,<4.54.1
         fixed in: transformers 4.54.1
 """
 
@@ -34,6 +38,7 @@ from devmap_shims.shims import Shim, Target
 STATIC_BUG = "transformers-static-cache-multigpu"
 CACHE_MAP_BUG = "transformers-cache-built-without-layer-map"
 LAST_GPU_BUG = "transformers-4540-cache-layers-on-last-gpu"
+SLIDING_BUG = "transformers-sliding-window-cache-one-device"
 #: 4.54.0's cache layers: the one release with layer objects that do not follow their states' device
 LAYER_RELEASE = {"transformers": "==4.54.0"}
 
@@ -84,12 +89,14 @@ def _layer_target(name: str) -> Target:
 
 SHIM = Shim(
     id="cache-follows-layer",
-    fixes=(STATIC_BUG, CACHE_MAP_BUG, LAST_GPU_BUG),
+    fixes=(STATIC_BUG, CACHE_MAP_BUG, LAST_GPU_BUG, SLIDING_BUG),
     targets=(
         Target("transformers.cache_utils", "StaticCache.update", expect_params=("key_states", "layer_idx"),
                wrapper=move_layer_cache),
         Target("transformers.cache_utils", "HybridCache.update", expect_params=("key_states", "layer_idx"),
                when={"transformers": ">=4.45.0,<4.50.0"}, wrapper=move_layer_cache),
+        Target("transformers.cache_utils", "SlidingWindowCache.update", expect_params=("key_states", "layer_idx"),
+               when={"transformers": ">=4.42.0,<4.54.0"}, wrapper=move_layer_cache),
         _layer_target("StaticLayer"),
         _layer_target("SlidingWindowLayer"),
         _layer_target("ChunkedSlidingLayer"),
@@ -141,3 +148,11 @@ def static_cache_layers_on_a_split_model() -> str:
 
     unavailable_where("transformers-static-cache-meta-init")  # 4.49 fails on its meta cache first
     return static_cache.generate_on_a_split_model()
+
+
+@scenario(SLIDING_BUG, "a tiny Mistral split over two GPUs generates with a SlidingWindowCache the user built on cuda:0",
+          needs=("torch", "transformers", "accelerate"))
+def user_sliding_window_cache_on_a_split_model() -> str:
+    from devmap_shims.scenarios import static_cache
+
+    return static_cache.generate_with_a_user_sliding_window_cache()

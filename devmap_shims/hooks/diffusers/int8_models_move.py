@@ -48,6 +48,15 @@ def is_8bit_model(module: Any) -> bool:
     return bool(getattr(module, "is_loaded_in_8bit", False)) and hasattr(module, "modules")
 
 
+def _diffusers_model(module: Any) -> bool:
+    """A diffusers ``ModelMixin``: transformers' 8-bit models set ``is_loaded_in_8bit`` too, and
+    their own ``.to()`` decides whether they move."""
+    import sys
+
+    mixin = getattr(sys.modules.get("diffusers.models.modeling_utils"), "ModelMixin", None)
+    return isinstance(mixin, type) and isinstance(module, mixin)
+
+
 def movable(model: Any) -> bool:
     """An 8-bit model this shim may move: bitsandbytes can, and no accelerate hook offloads it."""
     return is_8bit_model(model) and bnb_moves_8bit() and not any_offloading(model)
@@ -124,7 +133,7 @@ def move_pipeline_to(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any
     components = getattr(instance, "components", None)
     left: List[Any] = []
     if device is not None and isinstance(components, dict):
-        left = [module for module in components.values() if movable(module)]
+        left = [module for module in components.values() if _diffusers_model(module) and movable(module)]
     if not left:
         return wrapped(*args, **kwargs)
     import logging

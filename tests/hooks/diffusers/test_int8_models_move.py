@@ -134,6 +134,19 @@ def test_an_offloaded_model_is_left_to_diffusers():
     assert not hook.movable(torch.nn.Linear(2, 2))
 
 
+def test_pipe_to_leaves_an_8bit_transformers_component_to_transformers():
+    # transformers' 8-bit models set is_loaded_in_8bit too; a text encoder is not the shim's to move
+    with simulated_gpus(2, memory="1GiB"):
+        encoder = torch.nn.Linear(2, 2, device="cuda:0")
+        encoder.is_loaded_in_8bit = True
+        transformer = diffusers.models.modeling_utils.ModelMixin()
+        transformer.proj = torch.nn.Linear(2, 2, device="cuda:0")
+        transformer.is_loaded_in_8bit = True
+        pipe = type("Pipe", (), {"components": {"text_encoder": encoder, "transformer": transformer}})()
+        assert hook.move_pipeline_to(lambda *a, **k: pipe, pipe, ("cuda:1",), {}) is pipe
+        assert str(encoder.weight.device) == "cuda:0" and str(transformer.proj.weight.device) == "cuda:1"
+
+
 def test_the_warning_filter_drops_only_the_moved_classes():
     keep = hook._drop_warning_for(["FluxTransformer2DModel"])
 

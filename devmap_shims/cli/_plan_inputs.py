@@ -128,7 +128,7 @@ def parse_caps(text: Optional[str]) -> Dict[Any, int]:
         key = key.strip()
         if not sep or not key:
             raise TopologyError(f"cannot read max_memory entry {part!r} (write e.g. 0=10GiB or cpu=100GiB)")
-        if key.isdigit():
+        if key.isascii() and key.isdigit():  # "²" is a digit to isdigit(), not to int()
             caps[int(key)] = parse_size(value)
         elif key in ("cpu", "disk"):
             caps[key] = parse_size(value)

@@ -83,6 +83,9 @@ def run_matrix(args: argparse.Namespace) -> int:
     from devmap_shims.versions import installed_versions
 
     if args.markdown:
+        if args.library or args.applicable:
+            raise UsageError("--markdown writes the whole matrix (COMPAT.md); --library and --applicable "
+                             "filter the table and --json only")
         print(builtin_markdown(), end="")
         return EXIT_OK
     matrix, shims = known()

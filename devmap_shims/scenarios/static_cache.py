@@ -150,8 +150,9 @@ def generate_with_a_user_sliding_window_cache() -> str:
     device_map = two_gpu_split(AutoModelForCausalLM.from_pretrained(path))
     with simulated_gpus(2, memory="2GiB"), torch.no_grad():
         model = AutoModelForCausalLM.from_pretrained(path, device_map=device_map)
-        cache = SlidingWindowCache(config=model.config, max_batch_size=ids.shape[0],
-                                   max_cache_len=ids.shape[-1] + NEW_TOKENS, device="cuda:0", dtype=torch.float32)
+        length = ids.shape[-1] + NEW_TOKENS
+        cache = SlidingWindowCache(config=model.config, max_batch_size=ids.shape[0], max_cache_len=length,
+                                   device="cuda:0", dtype=torch.float32)
         out = model.generate(ids.to("cuda:0"), attention_mask=torch.ones_like(ids).to("cuda:0"),
                              **{_cache_argument(model): cache}, max_new_tokens=NEW_TOKENS,
                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=PAD_ID)

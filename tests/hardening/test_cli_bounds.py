@@ -105,6 +105,19 @@ def test_sizes_beyond_any_machine_are_refused(capsys, tmp_path, option, value, p
     assert_one_line_usage_error(*run(capsys, *argv), phrase)
 
 
+@pytest.mark.parametrize("value", ["²=10GiB", "٣=10GiB"])
+def test_a_gpu_number_in_other_digits_is_refused(capsys, tmp_path, value):
+    # str.isdigit() takes a superscript two or an Arabic-Indic three; int() does not
+    argv = ["plan", config(tmp_path), "--gpus", "2x80GiB", "--max-memory", value]
+    assert_one_line_usage_error(*run(capsys, *argv), "unknown device")
+
+
+@pytest.mark.parametrize("option", [("--library", "bitsandbytes"), ("--applicable",), ("--library", "nope")])
+def test_markdown_does_not_drop_a_filter_silently(capsys, option):
+    code, out, err = run(capsys, "matrix", "--markdown", *option)
+    assert_one_line_usage_error(code, out, err, "--markdown writes the whole matrix")
+
+
 def test_an_unexpected_error_is_one_line_and_exit_1(capsys, monkeypatch):
     from devmap_shims.cli import matrix
 

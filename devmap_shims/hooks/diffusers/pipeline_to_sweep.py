@@ -203,7 +203,21 @@ def repair_model_to(context: Any, wrapped: Callable[..., Any], instance: Any, ar
 
 
 def single_cuda_index(device_map: Any) -> Optional[int]:
-    """The GPU index of a device map that puts the whole model on one CUDA device, else None."""
+    """The GPU index of a device map that puts the whole model on one CUDA device, else None
+    (``"cuda"``: the current device)."""
+    device = single_cuda_device(device_map)
+    if device is None:
+        return None
+    if device.index is None:
+        import torch
+
+        return torch.cuda.current_device()
+    return device.index
+
+
+def single_cuda_device(device_map: Any) -> Any:
+    """The ``torch.device`` of a device map that puts the whole model on one CUDA device (its index
+    None for ``"cuda"``), else None; nothing asks CUDA anything."""
     import torch
 
     if isinstance(device_map, dict):
@@ -213,15 +227,13 @@ def single_cuda_index(device_map: Any) -> Optional[int]:
     if isinstance(device_map, bool):
         return None
     if isinstance(device_map, int):
-        return device_map if device_map >= 0 else None
+        return torch.device("cuda", device_map) if device_map >= 0 else None
     if isinstance(device_map, (str, torch.device)):
         try:
             device = torch.device(device_map)
         except (RuntimeError, TypeError):
             return None  # "auto", "balanced" ...
-        if device.type != "cuda":
-            return None
-        return device.index if device.index is not None else torch.cuda.current_device()
+        return device if device.type == "cuda" else None
     return None
 
 
@@ -250,12 +262,15 @@ def _is_bnb_quantized_load(cls: Any, args: Tuple[Any, ...], kwargs: Dict[str, An
 
 def repair_from_pretrained(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """``ModelMixin.from_pretrained`` that loads a bitsandbytes model onto the GPU its one-GPU map names."""
-    index = single_cuda_index(kwargs.get("device_map"))
-    if index is None or not _is_bnb_quantized_load(instance, args, kwargs):
+    # the quantization is asked about first: device_map="cuda" for any other load must not
+    # start CUDA here (a machine without a driver, a process that forks workers later)
+    one_gpu = single_cuda_device(kwargs.get("device_map")) is not None
+    if not one_gpu or not _is_bnb_quantized_load(instance, args, kwargs):
         return wrapped(*args, **kwargs)
     import torch
 
-    if index >= torch.cuda.device_count():
+    index = single_cuda_index(kwargs.get("device_map"))
+    if index is None or index >= torch.cuda.device_count():
         return wrapped(*args, **kwargs)  # let diffusers report the bad map
     kwargs = {k: v for k, v in kwargs.items() if k != "device_map"}
     logger.info(

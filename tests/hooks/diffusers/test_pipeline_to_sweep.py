@@ -127,6 +127,20 @@ def test_single_cuda_index(device_map, index):
     assert hook.single_cuda_index(device_map) == index
 
 
+def test_a_cuda_map_of_a_load_that_is_not_quantized_asks_cuda_nothing(monkeypatch):
+    class Model:
+        @staticmethod
+        def load_config(source, **hub):
+            return {"_class_name": "UNet2DModel"}
+
+    def no_cuda():
+        raise AssertionError("torch.cuda.current_device() called")
+
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
+    kwargs = {"device_map": "cuda"}
+    assert hook.repair_from_pretrained(lambda *a, **k: ("loaded", k), Model, ("some/model",), kwargs) == ("loaded", kwargs)
+
+
 # -- pipe.to() ------------------------------------------------------------------------------------------
 def test_pipe_to_second_gpu_leaves_strays_without_and_none_with_the_sweep(checkpoint, shims, caplog):
     with simulated_gpus(2, memory="1GiB"), torch.no_grad():

@@ -100,12 +100,12 @@ def later_call(
 def _not_the_repairs_fault(exc: BaseException) -> bool:
     """An error that goes to the caller as it is, the shim left on: an interrupt or exit, a
     :class:`ShimError` (a repair refusing on purpose, strict mode), the library's own answer to the
-    user's call (:func:`library_call`), or no memory left (:func:`_out_of_memory`)."""
+    user's call (:func:`library_call`), or no memory left (:func:`out_of_memory`)."""
     return (isinstance(exc, (KeyboardInterrupt, SystemExit, ShimError)) or getattr(exc, LIBRARY_ERROR, False)
-            or _out_of_memory(exc))
+            or out_of_memory(exc))
 
 
-def _out_of_memory(exc: BaseException) -> bool:
+def out_of_memory(exc: BaseException) -> bool:
     """``MemoryError``, or torch's ``OutOfMemoryError`` (for a GPU): the machine's limit, met by the
     work the user asked for, not a broken repair; it goes to the caller and the shim stays on."""
     return isinstance(exc, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__)

@@ -121,6 +121,10 @@ def place(context: Any, name: str, module: Any, gpu: Any, device_map: Any) -> st
         try:
             module.to(target)
         except (ValueError, RuntimeError, TypeError) as exc:  # the library refusing the move
+            from devmap_shims.shims.guard import out_of_memory
+
+            if out_of_memory(exc):  # part of it may have moved: the caller's, as from a fixed release
+                raise
             return leave(
                 f"its .to({str(target)!r}) raised {type(exc).__name__}: {exc}",
                 f"Quantize it on that GPU (device_map={{'': {gpu!r}}}) before passing it.",

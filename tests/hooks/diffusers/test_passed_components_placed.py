@@ -141,6 +141,24 @@ def test_bitsandbytes_weights_the_library_refuses_to_move_are_left_with_a_warnin
     assert "not supported for `8-bit`" in " ".join(r.getMessage() for r in caplog.records)
 
 
+@on_two_gpus
+def test_a_gpu_out_of_memory_while_moving_is_not_called_left_where_it_is(direct, monkeypatch):
+    # the move may have taken some weights already: the error goes to the caller, as the fixed
+    # release's own move would raise it, rather than a warning that the component did not move
+    transformer = model()
+    transformer[0].weight = Params4bit(transformer[0].weight.data)
+    monkeypatch.setattr(hook, "bnb_movable", lambda module: True)
+    out_of_memory = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+    def runs_out(*args, **kwargs):
+        raise out_of_memory("CUDA out of memory. Tried to allocate 2.00 MiB (GPU 1; 1 GiB total capacity)")
+
+    monkeypatch.setattr(transformer, "to", runs_out)
+    with pytest.raises(out_of_memory):
+        load(direct, {"transformer": transformer}, {"transformer": 1}, transformer=transformer,
+             device_map="balanced")
+
+
 @pytest.fixture
 def all_shims():
     from devmap_shims.shims.engine import ENGINE

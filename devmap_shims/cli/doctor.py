@@ -204,6 +204,9 @@ def report(data: Dict[str, Any], max_lines: int = MAX_LINES) -> List[str]:
     return lines + tail
 
 
+#: The widest column of shim ids in ``doctor --verbose``.
+NAME_COLUMN = 44
+
 #: How doctor names the state of every shim while ``DEVMAP_SHIMS=0`` is set.
 KILLED = "kill switch DEVMAP_SHIMS=0"
 
@@ -224,10 +227,13 @@ def verbose_report(data: Dict[str, Any]) -> List[str]:
         text = f"{row['id']} [{row['shim'] or 'no shim: ' + row['workaround']}]"
         lines += wrap(text, WIDTH, "  ", hang="      ", max_lines=2)
     lines += ["", f"Shims: none installed ({KILLED})" if data.get("killed") else "Shims:"]
+    # the longest id sets the column (a plugin's long id at most NAME_COLUMN wide; past it, that row
+    # alone runs over)
+    name = min(max([28] + [len(shim["id"]) for shim in data["shims"]]), NAME_COLUMN)
     for shim in data["shims"]:
         state = "OFF" if shim["state"] == "skipped" else shim["state"].upper()
-        prefix = f"  {shim['id']:28s} {state:8s}"
-        lines += wrap(shim["applicability"] or "", WIDTH, prefix, hang=" " * 40, max_lines=2)
+        prefix = f"  {shim['id']:{name}s} {state:8s}"
+        lines += wrap(shim["applicability"] or "", WIDTH, prefix, hang=" " * (name + 12), max_lines=2)
         for target in shim["targets"]:
             text = f"{target['target']}: {target['state']}"
             if target["state"] != "active":

@@ -92,6 +92,17 @@ def test_doctor_verbose_lists_every_target_within_100_columns(doctor_json):
     assert all("targets" in s for s in doctor_json["shims"])  # always in --json
 
 
+def test_doctor_verbose_puts_every_shims_state_in_one_column(doctor_json):
+    # four-bit-quantized-after-weight is 31 characters: its state once stood three columns right
+    states = ("ACTIVE", "PENDING", "FAILED", "OFF")
+    columns = set()
+    for line in verbose_report(doctor_json):
+        words = line.split()
+        if line.startswith("  ") and not line.startswith("   ") and len(words) > 1 and words[1] in states:
+            columns.add(line.index(" " + words[1] + " ") + 1)
+    assert len(columns) == 1, columns
+
+
 def test_doctor_stays_short_when_every_shim_is_forced_on_or_failing(doctor_json):
     """Many shims active or failed (more shims later, a broken library): the groups become lists."""
     data = copy.deepcopy(doctor_json)

@@ -99,10 +99,7 @@ def read(name: str, header: str, accept: Callable[[str], bool]) -> Optional[List
     data = read_regular_file(os.path.join(folder, name), MAX_BYTES, follow_links=False, own=True)
     if data is None:
         return None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
+    text = data.decode("utf-8", "surrogateescape")  # as written: a non-UTF-8 path keeps its bytes
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
@@ -117,15 +114,19 @@ def read(name: str, header: str, accept: Callable[[str], bool]) -> Optional[List
 
 def _safe_folder(folder: str) -> bool:
     """Whether ``folder`` is a real folder of this user that nobody else may write to (made so if
-    it does not exist, inside a cache base folder that exists: a ``HOME`` that names no folder,
-    such as ``/nonexistent`` for system users, is never created)."""
+    it does not exist). A folder is made only inside a folder of this user: a ``HOME`` that names
+    no folder (``/nonexistent`` for system users) is never created, and root running with another
+    user's ``HOME`` (``sudo -E``, a service) makes no root-owned ``~/.cache`` that the user could
+    not write to afterwards."""
     import stat
 
-    base = os.path.dirname(folder)
-    if not os.path.isdir(base) and not os.path.isdir(os.path.dirname(base)):
-        return False
+    if not os.path.lexists(folder):
+        base = os.path.dirname(folder)
+        if not os.path.isdir(base) and not _make_inside_own(base, 0o777):
+            return False
+        if not _make_inside_own(folder, 0o700):
+            return False
     try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
         info = os.lstat(folder)
     except OSError:
         return False
@@ -134,6 +135,25 @@ def _safe_folder(folder: str) -> bool:
     if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
         return False
     return not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _make_inside_own(path: str, mode: int) -> bool:
+    """Make the folder ``path`` when the folder it goes in (links followed) belongs to this user."""
+    import stat
+
+    try:
+        parent = os.stat(os.path.dirname(path))
+    except OSError:
+        return False
+    if not stat.S_ISDIR(parent.st_mode) or (hasattr(os, "geteuid") and parent.st_uid != os.geteuid()):
+        return False
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        pass
+    except OSError:
+        return False
+    return True
 
 
 def write(name: str, header: str, lines: List[str]) -> bool:
@@ -150,11 +170,12 @@ def write(name: str, header: str, lines: List[str]) -> bool:
     except OSError:
         return False
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        # surrogateescape: a path read from a non-UTF-8 file system name goes back as its bytes
+        with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as handle:
             handle.write(text)
         os.replace(tmp, os.path.join(folder, name))  # atomic; replaces a link, never follows it
         return True
-    except OSError:
+    except (OSError, ValueError):
         try:
             os.unlink(tmp)
         except OSError:

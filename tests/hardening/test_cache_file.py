@@ -159,3 +159,33 @@ def test_a_home_that_names_no_folder_is_not_created(fake_transformers, tmp_path,
     monkeypatch.setenv("HOME", str(tmp_path / "nonexistent" / "deep"))
     assert overrides.generate_overrides(fake_transformers) == EXPECTED
     assert not (tmp_path / "nonexistent").exists()
+
+
+def test_another_users_home_gets_no_folder_of_ours(fake_transformers, tmp_path, monkeypatch):
+    # root with a user's HOME (sudo -E, a service): a root-owned ~/.cache would keep that user
+    # from making any cache folder there afterwards (the Hugging Face hub's included)
+    if not hasattr(os, "geteuid"):
+        pytest.skip("POSIX users")
+    home = tmp_path / "alice"
+    home.mkdir()
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(home).st_uid + 1)  # this process is someone else
+    assert overrides.generate_overrides(fake_transformers) == EXPECTED
+    assert os.listdir(home) == []
+    monkeypatch.undo()
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    assert overrides.generate_overrides(fake_transformers) == EXPECTED  # the owner gets the cache
+    assert os.listdir(home / ".cache" / "devmap_shims")
+
+
+def test_a_non_utf8_install_path_is_cached_and_leaves_no_temporary_file(tmp_path, cache_home):
+    root = tmp_path / os.fsdecode(b"site_\xe9") / "transformers"
+    (root / "generation").mkdir(parents=True)
+    (root / "generation" / "utils.py").write_text("class GenerationMixin:\n    def generate(self): pass\n")
+    (root / "models" / "toy").mkdir(parents=True)
+    (root / "models" / "toy" / "modeling_toy.py").write_text("class ToyForX:\n    def generate(self):\n        pass\n")
+    assert overrides.generate_overrides(str(root)) == EXPECTED
+    assert os.listdir(cache_home) == [os.path.basename(cache_path(str(root)))]  # stored, nothing left over
+    assert overrides.generate_overrides(str(root)) == EXPECTED

@@ -29,15 +29,47 @@ _RELEASE = r"^\s*v?(?:\d+!)?(\d+(?:\.\d+)*)"
 
 
 def installed_version(distribution: str) -> str | None:
-    """The installed version string of ``distribution``, or None when it is not installed."""
+    """The installed version string of ``distribution``, or None when it is not installed.
+
+    As ``importlib.metadata.version`` (the first distribution of that name on ``sys.path``), except
+    that one whose metadata files are not regular files is passed over (:func:`metadata_readable`):
+    a ``*.dist-info`` FIFO in the working directory must not hold the host at ``install()``."""
     from importlib import metadata
 
     try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
+        for dist in metadata.distributions(name=distribution):
+            if metadata_readable(dist):
+                return dist.version
     except Exception:  # a broken dist-info must not break the caller
         return None
+    return None
+
+
+#: The files of a distribution that reading its name, version and entry points opens.
+METADATA_FILES = ("METADATA", "PKG-INFO", "entry_points.txt")
+
+
+def metadata_readable(dist: object) -> bool:
+    """Whether the metadata files of ``dist`` (:data:`METADATA_FILES`) are regular files, or absent.
+
+    ``importlib.metadata`` opens them with a plain ``open()``, which blocks on a FIFO for as long as
+    nothing writes to it, and a ``*.dist-info`` folder in the working directory (on ``sys.path``,
+    and anybody's) can hold one. A distribution that does not live in a folder (a custom finder's)
+    is read as ``importlib.metadata`` reads it."""
+    import os
+    import stat
+
+    folder = getattr(dist, "_path", None)  # PathDistribution's folder, in every release from 3.8
+    if not isinstance(folder, (str, os.PathLike)):
+        return True
+    for name in METADATA_FILES:
+        try:
+            mode = os.stat(os.path.join(folder, name)).st_mode
+        except (OSError, ValueError):
+            continue  # absent (or inside a zip archive, which never blocks)
+        if not stat.S_ISREG(mode):
+            return False
+    return True
 
 
 def installed_versions(distributions: Iterable[str] = TARGET_DISTRIBUTIONS) -> dict[str, str | None]:

@@ -85,8 +85,10 @@ def entry_points(group: str) -> List[Tuple[str, Any]]:
 
     found = []
     seen = set()
+    from devmap_shims.versions import metadata_readable
+
     for dist in metadata.distributions():
-        if not _files_readable(dist):
+        if not metadata_readable(dist):  # a FIFO there would block the host
             continue
         try:
             name = dist.metadata["Name"]
@@ -98,33 +100,6 @@ def entry_points(group: str) -> List[Tuple[str, Any]]:
                 seen.add((name, ep.name))
                 found.append((str(name), ep))
     return found
-
-
-#: The files of a distribution that reading its name and entry points opens.
-_READ_FILES = ("METADATA", "PKG-INFO", "entry_points.txt")
-
-
-def _files_readable(dist: Any) -> bool:
-    """Whether the files of ``dist`` that :func:`entry_points` reads are regular files, or absent.
-
-    ``importlib.metadata`` opens them with a plain ``open()``, which blocks on a FIFO for as long as
-    nothing writes to it: a ``*.dist-info`` folder in the working directory (on ``sys.path``, and
-    anybody's) could hold the host at ``install()``. A distribution that does not live in a folder
-    (a custom finder's) is read as ``importlib.metadata`` reads it."""
-    import os
-    import stat
-
-    folder = getattr(dist, "_path", None)  # PathDistribution's folder, in every release from 3.8
-    if not isinstance(folder, (str, os.PathLike)):
-        return True
-    for name in _READ_FILES:
-        try:
-            mode = os.stat(os.path.join(folder, name)).st_mode
-        except (OSError, ValueError):
-            continue  # absent (or inside a zip archive, which never blocks)
-        if not stat.S_ISREG(mode):
-            return False
-    return True
 
 
 def distributions() -> Set[str]:

@@ -462,6 +462,17 @@ def test_with_a_plugin_installed_a_fifo_in_another_distribution_is_not_read(evil
     assert marker.exists()  # the plugin was found and loaded
 
 
+def test_a_target_whose_metadata_is_a_fifo_is_taken_as_not_installed(evil, tmp_path):
+    # looking up the installed versions reads each target's METADATA: a torch-9.0.dist-info in the
+    # working directory whose METADATA is a FIFO must not hold the program at its first import
+    folder = tmp_path / "torch-9.0.dist-info"
+    folder.mkdir()
+    os.mkfifo(folder / "METADATA")
+    code = "import torch, devmap_shims; print('ALIVE', devmap_shims.status()['versions'].get('torch'))"
+    proc = evil(code, DEVMAP_SHIMS="1")
+    assert proc.returncode == 0 and "ALIVE None" in proc.stdout, proc.stderr[-2000:]
+
+
 def test_a_hanging_plugin_costs_its_budget_once_and_is_named(evil):
     proc = evil(STATUS, "hang", DEVMAP_SHIMS="1", DEVMAP_SHIMS_PLUGINS="*", timeout=120)
     assert proc.returncode == 0 and "ALIVE True" in proc.stdout, proc.stderr[-2000:]

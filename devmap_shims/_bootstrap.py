@@ -70,8 +70,10 @@ def _strict() -> bool:
 def _say(line: str) -> None:
     import sys
 
+    if sys.stderr is None:  # no console (pythonw, fd 2 closed): print(file=None) would write to stdout
+        return
     try:
-        print(line, file=sys.stderr)
+        sys.stderr.write(line + "\n")
     except BaseException:
         pass
 

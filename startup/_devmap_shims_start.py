@@ -14,18 +14,25 @@ PYTEST_DONT_REWRITE (imported before pytest starts, which must not ask to rewrit
 
 import os
 
+_RAN = []  # not empty once run() has run: importing it and calling it (3.15+) is one run
+
 
 def run():
     value = os.environ.get("DEVMAP_SHIMS", "0")
-    if value in ("", "0"):
+    if value in ("", "0") or _RAN:
         return
+    _RAN.append(True)
     try:
         from devmap_shims._bootstrap import run_from_startup
     except BaseException as exc:  # a half-removed install must not break every interpreter start
         import sys
 
-        print(f"devmap_shims: DEVMAP_SHIMS={value[:100]!r} but devmap_shims cannot be imported ({exc}); "
-              "running without shims", file=sys.stderr)
+        if sys.stderr is not None:  # no console (pythonw, fd 2 closed): print() would pick stdout
+            try:
+                sys.stderr.write(f"devmap_shims: DEVMAP_SHIMS={value[:100]!r} but devmap_shims cannot be "
+                                 f"imported ({exc}); running without shims\n")
+            except BaseException:
+                pass
         return
     try:
         run_from_startup()

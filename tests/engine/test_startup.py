@@ -86,6 +86,21 @@ def test_start_module_survives_a_missing_package(tmp_path):
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ran", proc.stderr
     assert "devmap_shims cannot be imported" in proc.stderr and "Traceback" not in proc.stderr
+    # Python 3.15+ imports the module (which runs it) and then calls run(): one run, one line
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", f"import sys; sys.path.insert(0, {startup!r}); import _devmap_shims_start as m; m.run()"],
+        capture_output=True, text=True, env=dict(env, DEVMAP_SHIMS="1"), cwd=tmp_path, timeout=60,
+    )
+    assert proc.returncode == 0 and proc.stderr.count("cannot be imported") == 1, proc.stderr
+
+
+def test_without_a_console_start_up_messages_do_not_go_to_stdout():
+    # fd 2 closed (a daemon, pythonw): sys.stderr is None, and print(file=None) writes to stdout
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVMAP_SHIMS")}
+    env.update(DEVMAP_SHIMS="1", DEVMAP_SHIMS_STRICT="1", DEVMAP_SHIMS_DISABLE="no-such-shim")
+    proc = subprocess.run([sys.executable, "-c", "import sys; print(sys.stderr is None)"], stdout=subprocess.PIPE,
+                          text=True, env=env, timeout=120, preexec_fn=lambda: os.close(2))
+    assert proc.returncode == 0 and proc.stdout == "True\n", proc.stdout
 
 
 def test_kill_switch_in_environment():

@@ -168,7 +168,7 @@ class Engine:
             from devmap_shims.shims import plugins
 
             found = plugins.distributions()
-            before = found if loaded is None else found & set(loaded)
+            before = found if loaded is None else {dist for dist in found if plugins.named(dist, loaded)}
             after = found if loads is None else set()
             if after - before:
                 changes.append(f"plugins of {', '.join(sorted(after - before))} loaded")

@@ -118,8 +118,8 @@ def missing(names: Optional[Collection[str]]) -> List[str]:
         return []
     from devmap_shims.shims.config import listed
 
-    found = distributions()
-    absent = [name for name in dict.fromkeys(names) if name not in found]
+    found = {canonical(dist) for dist in distributions()}
+    absent = [name for name in dict.fromkeys(names) if canonical(name) not in found]
     if not absent:
         return []
     which = f"names {listed(absent)}, but no distribution of that name declares" if len(absent) == 1 else (
@@ -132,8 +132,21 @@ def missing(names: Optional[Collection[str]]) -> List[str]:
     ]
 
 
+def canonical(name: str) -> str:
+    """A distribution name as packaging compares them (PEP 503): case, and runs of ``-``, ``_``
+    and ``.``, do not count (``Acme_Shims`` is ``acme-shims``, as its dist-info folder spells it)."""
+    import re
+
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def named(dist: str, names: Collection[str]) -> bool:
+    """Whether ``names`` (``DEVMAP_SHIMS_PLUGINS``' entries) name ``dist``, spelled any way PEP 503 allows."""
+    return canonical(dist) in {canonical(name) for name in names}
+
+
 def _wanted(dist: str, names: Optional[Collection[str]]) -> bool:
-    return names is None or "*" in names or dist in names
+    return names is None or "*" in names or named(dist, names)
 
 
 def _called(ep: Any, want: Callable[[Any], bool]) -> Any:

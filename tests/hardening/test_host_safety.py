@@ -524,6 +524,17 @@ def test_at_start_up_only_the_plugins_the_operator_names_are_loaded(evil, tmp_pa
     assert proc.returncode == 0 and marker.exists()
 
 
+@pytest.mark.parametrize("spelling", ["evil_plugin", "Evil.Plugin"])
+def test_a_plugin_is_named_as_its_distribution_may_be_spelled(evil, tmp_path, spelling):
+    # evil_plugin is how its dist-info folder spells it; distribution names ignore case and -_.
+    marker = tmp_path / "imported"
+    proc = evil(STATUS, DEVMAP_SHIMS="1", DEVMAP_SHIMS_PLUGINS=spelling, EVIL_MARKER=str(marker))
+    assert proc.returncode == 0 and marker.exists() and "DEVMAP_SHIMS_PLUGINS names" not in proc.stderr, proc.stderr
+    code = ("import os, devmap_shims; devmap_shims.install(); print('AFTER', os.path.exists(os.environ['EVIL_MARKER']))")
+    proc = evil(code, DEVMAP_SHIMS="1", DEVMAP_SHIMS_PLUGINS=spelling, DEVMAP_SHIMS_LOG="info", EVIL_MARKER=str(marker))
+    assert proc.returncode == 0 and "replaces" not in proc.stderr, proc.stderr  # start-up loaded it already
+
+
 def test_the_programs_install_loads_the_plugins_start_up_left_out(evil, tmp_path):
     marker = tmp_path / "imported"
     code = ("import os, devmap_shims; print('BEFORE', os.path.exists(os.environ['EVIL_MARKER'])); "

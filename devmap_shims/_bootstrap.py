@@ -39,7 +39,7 @@ def run_from_startup() -> None:
         if enabled is False:
             return
         if enabled is None:
-            _warn_bad(value)
+            _warn_bad(os.environ.get("DEVMAP_SHIMS", ""))
             return
         from devmap_shims import install
 
@@ -78,11 +78,13 @@ def _say(line: str) -> None:
         pass
 
 
-def _warn_bad(value: str) -> None:
+def _warn_bad(raw: str) -> None:
+    """Say once that ``DEVMAP_SHIMS`` is not understood (in the words a program's ``install()``
+    would use, which then does not say it again)."""
     import logging
 
-    logging.getLogger("devmap_shims").warning(
-        "DEVMAP_SHIMS=%r is not understood; use 1 to install the shims at start-up or 0 "
-        "to turn them off. Running without shims.",
-        value[:100],
-    )
+    from devmap_shims.shims import config
+
+    message = config.not_understood(config.ENV_ENABLE, raw) + " Running without shims."
+    logging.getLogger("devmap_shims").warning("%s", message)
+    config.LOGGED_AT_START_UP.add(config.not_understood(config.ENV_ENABLE, raw))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
-    from typing import Dict, List, Mapping, Optional, Tuple
+    from typing import Dict, List, Mapping, Optional, Set, Tuple
 
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
@@ -94,10 +94,18 @@ def _flag(env: Mapping[str, str], name: str, settings: Settings) -> Optional[boo
     value = flag(raw)
     if value is not None:
         return value
-    settings.problems.append(
-        f"{name}={_shown(raw)} is not understood; use 1 or 0 (also true/false, yes/no, on/off). Ignoring it."
-    )
+    settings.problems.append(not_understood(name, raw))
     return None
+
+
+#: Problems with the environment that start-up has logged already (a program's ``install()``
+#: later keeps them in its report without logging them a second time).
+LOGGED_AT_START_UP: Set[str] = set()
+
+
+def not_understood(name: str, raw: str) -> str:
+    """What is said of a switch whose value :func:`flag` does not understand."""
+    return f"{name}={_shown(raw)} is not understood; use 1 or 0 (also true/false, yes/no, on/off). Ignoring it."
 
 
 def _shown(value: str, width: int = 60) -> str:

@@ -69,7 +69,7 @@ class Engine:
         strict_mode = settings.strict if strict is None else bool(strict)
         with registry.lock:
             for problem in settings.problems:
-                registry.warn(problem)
+                registry.warn(problem, logged=problem in config.LOGGED_AT_START_UP)
             if settings.killed:
                 self.killed = True
                 logger().info("DEVMAP_SHIMS=0, shims not installed")

@@ -209,9 +209,10 @@ class Registry:
         applies, why = self.decide(entry)
         return None if applies or entry.forced else f"bug not present here: {why}"
 
-    def warn(self, message: str) -> None:
+    def warn(self, message: str, logged: bool = False) -> None:
         """Report ``message`` once: a message already reported is not repeated, and past
-        :data:`MAX_WARNINGS` different ones only a count is kept (memory stays bounded)."""
+        :data:`MAX_WARNINGS` different ones only a count is kept (memory stays bounded).
+        ``logged``: said already (at start-up), so only kept for the report."""
         if message in self._warned:
             return
         if len(self.warnings) >= MAX_WARNINGS:
@@ -221,7 +222,8 @@ class Registry:
             return
         self._warned.add(message)
         self.warnings.append(message)
-        logger().warning("%s", message)
+        if not logged:
+            logger().warning("%s", message)
 
     def reset_knowledge(self) -> None:
         self._matrix = None

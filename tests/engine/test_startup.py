@@ -116,6 +116,14 @@ def test_bad_enable_value_warns_once_and_program_goes_on():
     assert "use 1" in proc.stderr and "0" in proc.stderr
 
 
+def test_a_bad_enable_value_is_said_once_also_when_the_program_installs():
+    code = "import devmap_shims as d; d.install(); print(len(d.status()['warnings']))"
+    proc = run_python(code, DEVMAP_SHIMS="2")
+    assert proc.returncode == 0 and proc.stdout.strip() == "1", proc.stderr  # still in the report
+    assert proc.stderr.count("DEVMAP_SHIMS='2' is not understood") == 1, proc.stderr
+    assert "yes/no, on/off" in proc.stderr
+
+
 def test_bad_values_in_other_variables_are_named(tmp_path):
     proc = run_python(
         "import devmap_shims; devmap_shims.install(); print(devmap_shims.is_installed())",

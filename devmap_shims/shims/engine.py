@@ -61,10 +61,10 @@ class Engine:
         auto: bool = False,
     ) -> bool:
         """See :func:`devmap_shims.install`."""
-        from devmap_shims.shims import catalog, config, importhook
+        from devmap_shims.shims import catalog, config, importhook, logs
 
         settings = config.read_settings()
-        configure_logging(settings.log_level)
+        logs.configure(settings.log_level)
         registry = self.registry
         strict_mode = settings.strict if strict is None else bool(strict)
         with registry.lock:
@@ -322,25 +322,6 @@ def _id_problems(known: List[str], requested: Dict[str, Any]) -> List[str]:
         groups = [unknown] if len(unknown) > SHOWN_NAMES else [[shim_id] for shim_id in unknown]
         problems.extend(unknown_ids(f"install({name}=...)", group, known) for group in groups if group)
     return problems
-
-
-def configure_logging(level: Optional[str]) -> None:
-    """Give the ``devmap_shims`` logger ``level`` (``DEVMAP_SHIMS_LOG``), and a stderr handler
-    unless the program configured logging itself: then its handlers print our records, once."""
-    if not level:
-        return
-    import logging
-
-    log = logging.getLogger("devmap_shims")
-    log.setLevel(level.upper())
-    if logging.getLogger().handlers:
-        return
-    if not any(getattr(h, "_devmap_shims", False) for h in log.handlers):
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        handler._devmap_shims = True  # type: ignore[attr-defined]
-        log.addHandler(handler)
-        log.propagate = False  # root has no handler now; one configured later would print twice
 
 
 ENGINE = Engine()

@@ -124,6 +124,17 @@ def test_a_bad_enable_value_is_said_once_also_when_the_program_installs():
     assert "yes/no, on/off" in proc.stderr
 
 
+def test_logging_the_program_configures_after_start_up_gets_our_records_once():
+    code = ("import logging, sys; logging.basicConfig(stream=sys.stdout, format='PROGRAM %(name)s: %(message)s'); "
+            "logging.getLogger('devmap_shims').info('a record')")
+    proc = run_python(code, DEVMAP_SHIMS="1", DEVMAP_SHIMS_LOG="info")
+    assert proc.returncode == 0 and proc.stdout == "PROGRAM devmap_shims: a record\n", (proc.stdout, proc.stderr)
+    assert "a record" not in proc.stderr
+    before = run_python("import logging; logging.getLogger('devmap_shims').info('a record')",
+                        DEVMAP_SHIMS="1", DEVMAP_SHIMS_LOG="info")
+    assert before.stderr.count("a record") == 1 and before.stdout == ""  # no logging set up: on stderr
+
+
 def test_bad_values_in_other_variables_are_named(tmp_path):
     proc = run_python(
         "import devmap_shims; devmap_shims.install(); print(devmap_shims.is_installed())",

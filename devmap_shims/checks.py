@@ -105,27 +105,34 @@ def _join(prefix: str, name: str) -> str:
 
 
 def _normalize(device: Any, torch: Any) -> Any:
+    """``device`` as the ``torch.device`` its tensors report: an int is the accelerator of that
+    index (``cuda:N`` on a CUDA machine, as torch reads it), and a device without an index gets
+    the current one of its kind, as a tensor made there does."""
     if device is None:
         return None
-    if isinstance(device, int):
-        return torch.device("cuda", device)
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
+    if device.index is None and device.type not in ("cpu", "meta"):
+        backend = getattr(torch, device.type, None)
+        current = getattr(backend, "current_device", None)
+        try:
+            index = current() if callable(current) else 0
+        except Exception:  # a backend that cannot say: its first device
+            index = 0
+        return torch.device(device.type, index)
     return device
 
 
-def _home_device(model: Any, torch: Any) -> Any:
-    """The device holding most of ``model``'s elements (ties: the first met); meta tensors hold no
-    data and do not count."""
+def _elements_by_device(model: Any) -> Dict[Any, int]:
+    """How many elements of ``model``'s tensors each device holds; meta tensors hold no data and
+    do not count, nor do a lazy module's parameters, which have no shape yet."""
+    from torch.nn.parameter import is_lazy
+
     totals: Dict[Any, int] = {}
     for tensor in list(model.parameters()) + list(model.buffers()):
         device = tensor.device
-        if device.type != "meta":
+        if device.type != "meta" and not is_lazy(tensor):
             totals[device] = totals.get(device, 0) + tensor.numel()
-    if not totals:
-        return None
-    return max(totals.items(), key=lambda item: item[1])[0]
+    return totals
 
 
 def _hook_placement(module: Any, torch: Any) -> Tuple[Optional[Any], bool]:
@@ -144,51 +151,77 @@ def _hook_placement(module: Any, torch: Any) -> Tuple[Optional[Any], bool]:
     return None, False
 
 
-def _map_device(device_map: Any, name: str, torch: Any) -> Optional[Any]:
-    # A one-device map says where the model was loaded, not where it runs: ``.to()`` moves the model
-    # without updating ``hf_device_map``. Only a split map (which ``.to()`` refuses) is trusted.
+def _split_map(model: Any, held: Dict[Any, int], torch: Any) -> Dict[str, Any]:
+    """``{module or parameter name: device}`` of ``model.hf_device_map`` when it is a split that
+    still holds: a one-device map says where the model was loaded, not where it runs (``.to()``
+    moves a model without updating it), and so does a split map of a model whose tensors (``held``)
+    are all on one device and that no accelerate hook runs any more (moved whole after its hooks
+    were removed: accelerate's guard only warns). Devices on ``disk`` hold no tensor in memory and
+    are left out."""
+    from devmap_shims.devices.accelerate_hooks import any_hooks
+
+    device_map = getattr(model, "hf_device_map", None)
     if not isinstance(device_map, dict) or len({str(d) for d in device_map.values()}) < 2:
-        return None
-    best = None
-    best_len = -1
+        return {}
+    if len(held) < 2 and not any_hooks(model):
+        return {}
+    lookup: Dict[str, Any] = {}
     for key, device in device_map.items():
-        key = str(key)  # a hand-made map may key a module by a number ({0: 0, 1: 1} for a Sequential)
-        if key == "" or name == key or name.startswith(key + "."):
-            if len(key) > best_len:
-                best, best_len = device, len(key)
-    if best is None or best in ("disk",):
-        return None
-    try:
-        return _normalize(best, torch)
-    except (RuntimeError, TypeError):
-        return None
+        if device == "disk":
+            continue
+        try:  # a hand-made map may key a module by a number ({0: 0, 1: 1} for a Sequential)
+            lookup[str(key)] = _normalize(device, torch)
+        except (RuntimeError, TypeError, ValueError):
+            continue
+    return lookup
+
+
+def _map_device(lookup: Dict[str, Any], name: str) -> Optional[Any]:
+    """The device of the longest key of ``lookup`` that ``name`` (a module's or a parameter's) is
+    under; one lookup per level of the name."""
+    while True:
+        if name in lookup:
+            return lookup[name]
+        if not name:
+            return None
+        name = name.rpartition(".")[0]
 
 
 def _check_module(prefix: str, model: Any, torch: Any) -> List[Record]:
+    from torch.nn.parameter import is_lazy
+
     records: List[Record] = []
-    home = _home_device(model, torch)
-    device_map = getattr(model, "hf_device_map", None)
+    held = _elements_by_device(model)
+    home = max(held.items(), key=lambda item: item[1])[0] if held else None  # most elements; ties: first met
+    lookup = _split_map(model, held, torch)
     placement: Dict[str, Tuple[Optional[Any], bool]] = {}
+    seen = set()  # a tensor two modules hold (tied weights) is checked once, where it is met first
     for name, module in model.named_modules():
         parent = placement.get(name.rpartition(".")[0], (None, False)) if name else (None, False)
-        hook_device, offloaded = _hook_placement(module, torch)
-        hook_device = hook_device or parent[0]
+        own_device, offloaded = _hook_placement(module, torch)
+        hook_device = own_device or parent[0]
         offloaded = offloaded or parent[1]
         placement[name] = (hook_device, offloaded)
-        expected = hook_device or _map_device(device_map, name, torch) or home
+        expected = hook_device or _map_device(lookup, name) or home
         module_prefix = _join(prefix, name)
         for pname, param in module._parameters.items():
-            if param is None:
+            if param is None or id(param) in seen or is_lazy(param):
                 continue
+            seen.add(id(param))
             full = _join(module_prefix, pname)
-            if not offloaded and expected is not None and param.device.type != "meta" and param.device != expected:
-                records.append(_record(full, "parameter", param, expected))
+            # a map key naming the parameter itself (accelerate splits a module holding its own
+            # parameters so) comes before a hook inherited from a parent module
+            where = own_device or lookup.get(_join(name, pname)) or expected
+            if not offloaded and where is not None and param.device.type != "meta" and param.device != where:
+                records.append(_record(full, "parameter", param, where))
             records.extend(_check_attached(full, param, param.device, torch))
         for bname, buffer in module._buffers.items():
-            if buffer is None or offloaded or expected is None:
+            if buffer is None or offloaded or expected is None or id(buffer) in seen or is_lazy(buffer):
                 continue
-            if buffer.device.type != "meta" and buffer.device != expected:
-                records.append(_record(_join(module_prefix, bname), "buffer", buffer, expected))
+            seen.add(id(buffer))
+            where = own_device or lookup.get(_join(name, bname)) or expected
+            if buffer.device.type != "meta" and buffer.device != where:
+                records.append(_record(_join(module_prefix, bname), "buffer", buffer, where))
         records.extend(_check_module_state(module_prefix, module, torch))
         records.extend(_check_int8_state(module_prefix, module, torch))
     return records

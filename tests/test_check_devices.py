@@ -102,6 +102,68 @@ def test_split_device_maps_are_trusted_one_device_maps_are_not():
     assert check_devices(net) == []
 
 
+@SIM
+def test_a_split_map_of_a_model_moved_whole_without_its_hooks_is_stale():
+    # accelerate's guard only warns: a dispatched model whose hooks were removed and that was then
+    # moved whole runs on one device, and its hf_device_map no longer says where anything belongs
+    hooks = pytest.importorskip("accelerate.hooks")
+    net = model("cuda:0")
+    net[2].to("cuda:1")
+    net.hf_device_map = {"0": 0, "1": 0, "2": 1}
+    hooks.add_hook_to_module(net[2], hooks.AlignDevicesHook(execution_device=1))
+    hooks.remove_hook_from_module(net, recurse=True)
+    net.to("cuda:0")
+    assert check_devices(net) == []
+
+
+@SIM
+def test_a_map_key_that_names_a_parameter_decides_for_it():
+    # accelerate splits a module that holds parameters of its own into one key per parameter
+    hooks = pytest.importorskip("accelerate.hooks")
+    net = model("cuda:0")
+    net[0].weight.data = net[0].weight.data.to("cuda:1")
+    net.hf_device_map = {"0.weight": 1, "0.bias": 0, "1": 0, "2": 0}
+    hooks.add_hook_to_module(net, hooks.AlignDevicesHook(execution_device=0))
+    assert check_devices(net) == []
+    hooks.remove_hook_from_module(net, recurse=True)
+    net.hf_device_map = {"0": 0, "1": 0, "2": 1}
+    net[2].to("cuda:1")
+    assert names(check_devices(net)) == ["0.weight"]  # its module's key says cuda:0
+
+
+@SIM
+def test_a_tied_parameter_is_reported_once_and_a_lazy_one_not_at_all():
+    net = model("cuda:0")
+    net[2].weight = torch.nn.Parameter(torch.zeros(8, 8, device="cuda:1"))
+    net.append(torch.nn.Linear(8, 8, device="cuda:0"))
+    net[3].weight = net[2].weight  # tied: one tensor, held by two modules
+    assert names(check_devices(net)) == ["2.weight"]
+    lazy = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 4))
+    assert check_devices(lazy) == []
+
+
+class _Reports(torch.Tensor):
+    """A tensor with no data that reports ``device`` (an accelerator this machine does not have)."""
+
+    @staticmethod
+    def __new__(cls, device):
+        return torch.Tensor._make_wrapper_subclass(cls, (4, 4), device=torch.device(device), dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)
+
+
+@pytest.mark.parametrize("kind", ["xpu", "mps"])
+def test_a_hook_device_without_an_index_is_the_one_its_tensors_report(kind):
+    # accelerate keeps execution_device="xpu" / "mps"; the tensors there report xpu:0 / mps:0
+    hooks = pytest.importorskip("accelerate.hooks")
+    layer = torch.nn.Module()
+    layer._parameters["weight"] = _Reports(f"{kind}:0")
+    layer._hf_hook = hooks.AlignDevicesHook(execution_device=kind)  # as add_hook_to_module leaves it
+    assert check_devices(layer) == []
+
+
 # -- accelerate hooks ----------------------------------------------------------------------------------
 @SIM
 def test_hook_execution_devices_decide_for_dispatched_modules():

@@ -38,9 +38,9 @@ def as_device(value: Any) -> Any:
 
     if isinstance(value, torch.device):
         return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return torch.device("cuda", value)
-    try:
+    if isinstance(value, bool):
+        return None
+    try:  # an int is accelerator N, as torch and accelerate read it (cuda:N on a CUDA machine)
         return torch.device(value)
     except (TypeError, RuntimeError, ValueError):
         return None
@@ -80,8 +80,14 @@ def remove_hooks(model: Any) -> None:
 
 
 def one_gpu(device_map: Any) -> bool:
-    """True when ``device_map`` sends everything to one device that is neither the CPU nor the disk."""
+    """True when ``device_map`` sends everything to one device that is neither the CPU nor the disk,
+    however each entry spells it (``0``, ``"cuda:0"``, ``torch.device("cuda", 0)``)."""
     if not isinstance(device_map, dict) or not device_map:
         return False
-    devices = {str(d) for d in device_map.values()}
-    return len(devices) == 1 and not devices & {"cpu", "disk", "meta"}
+    devices = set()
+    for value in device_map.values():
+        device = None if isinstance(value, str) and value == "disk" else as_device(value)
+        if device is None or device.type in ("cpu", "meta"):
+            return False
+        devices.add(device)
+    return len(devices) == 1

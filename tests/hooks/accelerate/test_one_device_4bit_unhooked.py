@@ -51,6 +51,8 @@ def hooked(model) -> bool:
 @pytest.mark.parametrize("device_map, expected", [
     ({"": 0}, True), ({"": "cuda:1"}, True), ({"0": 0, "1": 0}, True),
     ({"": "cpu"}, False), ({"0": 0, "1": 1}, False), ({}, False), (None, False),
+    # one GPU spelled three ways in a hand-written map
+    ({"0": 0, "1": "cuda:0", "2": torch.device("cuda", 0)}, True), ({"0": 0, "1": "disk"}, False),
 ])
 def test_one_gpu(device_map, expected):
     assert hook.one_gpu(device_map) is expected

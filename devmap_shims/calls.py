@@ -14,19 +14,22 @@ TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/r
 if TYPE_CHECKING:
     from typing import Any, Callable, Dict, Mapping, Sequence, Tuple
 
-_POSITIONS: Dict[Any, Dict[str, int]] = {}
-_SIGNATURES: Dict[Any, Any] = {}
+_POSITIONS: Dict[Any, Tuple[Dict[str, int], Any]] = {}
+_SIGNATURES: Dict[Any, Tuple[Any, Any, Any]] = {}
 
 
 def _key(func: Callable[..., Any]) -> Any:
     """A cache key that two callables share only when their signatures are the same: the code
     object of the function ``inspect.signature`` would read (decorators' ``__wrapped__`` followed,
     as it does; a ``__signature__`` of its own keys by the object itself) and whether it is bound
-    (a bound method has no ``self`` parameter). None when there is no stable key (a
-    ``functools.partial`` made per call): such signatures are not cached."""
-    bound = getattr(func, "__self__", None) is not None
+    (a bound method has no ``self`` parameter; a wrapper such as accelerate's hooked ``forward``,
+    ``update_wrapper(partial(new_forward, module), module.forward)``, is bound when what it wraps
+    is). None when there is no stable key (a ``functools.partial`` made per call): such signatures
+    are not cached. Defaults are not in the key: see :func:`_inner`."""
+    bound = False
     inner = func
     for _ in range(16):
+        bound = bound or getattr(inner, "__self__", None) is not None
         if "__signature__" in getattr(inner, "__dict__", ()):
             return inner, bound
         wrapped = getattr(inner, "__wrapped__", None)
@@ -35,6 +38,19 @@ def _key(func: Callable[..., Any]) -> Any:
         inner = wrapped
     code = getattr(inner, "__code__", None)
     return (code, bound) if code is not None else None
+
+
+def _inner(func: Callable[..., Any]) -> Any:
+    """The function whose ``__defaults__`` a call of ``func`` uses (``__wrapped__`` followed):
+    closures made by one factory share a code object, and so a key, with defaults of their own."""
+    inner = func
+    for _ in range(16):
+        inner = getattr(inner, "__func__", inner)
+        wrapped = getattr(inner, "__wrapped__", None)
+        if wrapped is None or "__signature__" in getattr(inner, "__dict__", ()):
+            break
+        inner = wrapped
+    return getattr(inner, "__func__", inner)
 
 
 def argument_at(args: Sequence[Any], kwargs: Mapping[str, Any], position: int, *names: str) -> Any:
@@ -67,15 +83,25 @@ def with_arguments_at(
 
 def positions(func: Callable[..., Any]) -> Dict[str, int]:
     """Positional index of each parameter of ``func`` that can be passed by position."""
+    return _positions(func)[0]
+
+
+def _positions(func: Callable[..., Any]) -> Tuple[Dict[str, int], Any]:
+    """:func:`positions`, and the names of the positional-only parameters among them (a keyword of
+    that name is not them: it goes to ``**kwargs``)."""
     key = _key(func)
     found = _POSITIONS.get(key) if key is not None else None
     if found is None:
         import inspect
 
-        found = {}
+        indices: Dict[str, int] = {}
+        only = set()
         for index, param in enumerate(inspect.signature(func).parameters.values()):
             if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
-                found[param.name] = index
+                indices[param.name] = index
+            if param.kind == param.POSITIONAL_ONLY:
+                only.add(param.name)
+        found = indices, frozenset(only)
         if key is not None:
             _POSITIONS[key] = found
     return found
@@ -84,9 +110,10 @@ def positions(func: Callable[..., Any]) -> Dict[str, int]:
 def argument(func: Callable[..., Any], name: str, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Tuple[bool, Any]:
     """``(given, value)`` of parameter ``name`` in a call ``func(*args, **kwargs)``; ``(False, None)``
     when the caller left it to its default."""
-    if name in kwargs:
+    indices, only = _positions(func)
+    if name in kwargs and name not in only:
         return True, kwargs[name]
-    index = positions(func).get(name)
+    index = indices.get(name)
     if index is not None and index < len(args):
         return True, args[index]
     return False, None
@@ -96,10 +123,20 @@ def with_argument(
     func: Callable[..., Any], name: str, value: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]
 ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     """``(args, kwargs)`` of the same call with parameter ``name`` set to ``value``, in the place the
-    caller used for it (by keyword when the caller did not pass it)."""
-    index = positions(func).get(name)
-    if name not in kwargs and index is not None and index < len(args):
+    caller used for it (by keyword when the caller did not pass it; by position, after the defaults
+    of the parameters before it, for a positional-only one)."""
+    indices, only = _positions(func)
+    index = indices.get(name)
+    if index is not None and index < len(args) and (name in only or name not in kwargs):
         return args[:index] + (value,) + args[index + 1 :], kwargs
+    if name in only and index is not None:
+        import inspect
+
+        params = list(inspect.signature(func).parameters.values())
+        filler = tuple(p.default for p in params[len(args):index])
+        if any(default is inspect.Parameter.empty for default in filler):
+            raise TypeError(f"{name!r} is positional-only and the parameters before it have no defaults")
+        return tuple(args) + filler + (value,), kwargs
     return args, dict(kwargs, **{name: value})
 
 
@@ -109,13 +146,17 @@ def bind(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Mapping[str, A
     Raises TypeError, as the call itself would, when the arguments do not fit the signature.
     """
     key = _key(func)
-    sig = _SIGNATURES.get(key) if key is not None else None
-    if sig is None:
+    inner = _inner(func)
+    defaults = getattr(inner, "__defaults__", None), getattr(inner, "__kwdefaults__", None)
+    cached = _SIGNATURES.get(key) if key is not None else None
+    if cached is not None and cached[1] is defaults[0] and cached[2] is defaults[1]:
+        sig = cached[0]
+    else:  # not read yet, or another closure of the same code, or defaults set since
         import inspect
 
         sig = inspect.signature(func)
         if key is not None:
-            _SIGNATURES[key] = sig
+            _SIGNATURES[key] = (sig, defaults[0], defaults[1])
     bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)

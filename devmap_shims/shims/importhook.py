@@ -92,7 +92,9 @@ class _ChainedLoader:
 
 class _PostImportFinder:
     def __init__(self) -> None:
-        self._in_progress: set = set()
+        #: the names this finder is looking up, each with the thread doing it (a fork keeps only
+        #: the forking thread's: see :func:`reinit_after_fork`)
+        self._in_progress: Dict[str, int] = {}
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if _triggers and path is None:  # a top-level name: the first import of a watched package
@@ -104,7 +106,7 @@ class _PostImportFinder:
         with _lock:
             if fullname in self._in_progress:
                 return None
-            self._in_progress.add(fullname)
+            self._in_progress[fullname] = threading.get_ident()
         try:
             from importlib.util import find_spec
 
@@ -117,7 +119,7 @@ class _PostImportFinder:
             return None  # let the normal machinery find (and report) it
         finally:
             with _lock:
-                self._in_progress.discard(fullname)
+                self._in_progress.pop(fullname, None)
 
     def invalidate_caches(self) -> None:
         pass
@@ -216,9 +218,14 @@ def _after_import_in_progress(module_name: str, module: Any) -> None:
 
 
 def reinit_after_fork() -> None:
-    """A fork while another thread held the lock leaves it held forever in the child."""
+    """A fork while another thread held the lock leaves it held forever in the child, and the
+    names that thread was looking up marked as in progress: their imports in the child would not
+    be hooked. Only the forking thread goes on in the child."""
     global _lock
     _lock = threading.RLock()
+    if _finder is not None:
+        me = threading.get_ident()
+        _finder._in_progress = {name: thread for name, thread in _finder._in_progress.items() if thread == me}
 
 
 def cancel(hook: Hook) -> None:

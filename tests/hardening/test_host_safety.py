@@ -705,6 +705,24 @@ def test_a_fork_while_the_registry_lock_is_held_leaves_the_child_working(tmp_pat
     assert "PARENT 0" in proc.stdout and "CHILD" in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_a_fork_while_another_thread_looks_up_a_watched_module_leaves_it_hooked_in_the_child(monkeypatch):
+    # that thread is not in the child: the name it was looking up must not stay "in progress",
+    # or the child's own import of it would not be hooked
+    import threading
+
+    from devmap_shims.shims import importhook
+
+    finder = importhook._PostImportFinder()
+    monkeypatch.setattr(importhook, "_finder", finder)
+    monkeypatch.setitem(importhook._hooks, "colorsys", [])
+    finder._in_progress["colorsys"] = threading.get_ident() + 1  # another thread, at the fork
+    finder._in_progress["mine"] = threading.get_ident()  # the forking thread's own lookup goes on
+    importhook.reinit_after_fork()
+    assert set(finder._in_progress) == {"mine"}
+    spec = finder.find_spec("colorsys")
+    assert spec is not None and isinstance(spec.loader, importhook._ChainedLoader)
+
+
 def test_a_layer_captured_by_a_foreign_wrapper_is_switched_off_and_a_new_install_adds_one(tmp_path, fresh_engine):
     (tmp_path / "plainlib.py").write_text("def compute(x):\n    return x * 2\n")
     import plainlib

@@ -72,7 +72,10 @@ class Engine:
                 registry.warn(problem, logged=problem in config.LOGGED_AT_START_UP)
             if settings.killed:
                 self.killed = True
-                logger().info("DEVMAP_SHIMS=0, shims not installed")
+                if self.uninstall():  # set after an install (start-up's): the switch turns it off
+                    logger().warning("DEVMAP_SHIMS=0: the shims installed before are removed")
+                else:
+                    logger().info("DEVMAP_SHIMS=0, shims not installed")
                 return False
             requested = {
                 "only": _as_tuple(only),

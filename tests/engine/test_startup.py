@@ -108,6 +108,14 @@ def test_kill_switch_in_environment():
     assert proc.stdout.split() == ["False", "False"]
 
 
+def test_the_kill_switch_set_by_the_program_after_start_up_removes_the_shims():
+    code = ("import os, devmap_shims as d; before = d.is_installed(); os.environ['DEVMAP_SHIMS'] = '0'; "
+            "print(before, d.install(), d.is_installed(), d.status()['killed'])")
+    proc = run_python(code, DEVMAP_SHIMS="1")
+    assert proc.stdout.split() == ["True", "False", "False", "True"], proc.stderr
+    assert proc.stderr.count("shims installed before are removed") == 1
+
+
 def test_bad_enable_value_warns_once_and_program_goes_on():
     proc = run_python("print('still running')", DEVMAP_SHIMS="maybe")
     assert proc.returncode == 0

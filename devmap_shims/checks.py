@@ -15,10 +15,14 @@ What "the device a tensor should be on" means:
   parameter (skipped while the parameter is on ``meta``);
 * the int8 weights and scales a bitsandbytes ``Linear8bitLt`` keeps on its ``state`` after its first
   forward (``state.CB``, ``state.SCB``; bnb-int8-stats-stay-on-old-device): its weight's device;
-* a parameter or buffer: the execution device of the nearest accelerate hook (``device_map``
-  dispatch) or, failing that, the module's entry in a split ``hf_device_map``, or, for a model that
-  runs on one device, the device holding most of the model's elements (a one-device
-  ``hf_device_map`` is not used: ``.to()`` moves a model without updating it). Modules whose weights accelerate
+* a parameter or buffer: the execution device of its module's accelerate hook (``device_map``
+  dispatch), or its own entry in a split ``hf_device_map`` (accelerate splits a module holding
+  parameters of its own into one key per parameter), or the nearest hook above it, or its module's
+  entry in the map, or, for a model that runs on one device, the device holding most of the
+  model's elements. A one-device ``hf_device_map`` is not used (``.to()`` moves a model without
+  updating it), nor a split one that no hook runs any more while the tensors are on one device or
+  less than 90 % of their elements sit where it says (a model moved whole after its hooks were
+  removed). Modules whose weights accelerate
   offloads (``offload=True`` hooks) are not checked: their weights live elsewhere by design.
 """
 
@@ -110,6 +114,10 @@ def _normalize(device: Any, torch: Any) -> Any:
     the current one of its kind, as a tensor made there does."""
     if device is None:
         return None
+    if isinstance(device, int) and not isinstance(device, bool):
+        from devmap_shims.devices.accelerate_hooks import device_of_index
+
+        device = device_of_index(device)
     device = torch.device(device)
     if device.index is None and device.type not in ("cpu", "meta"):
         backend = getattr(torch, device.type, None)
@@ -151,19 +159,25 @@ def _hook_placement(module: Any, torch: Any) -> Tuple[Optional[Any], bool]:
     return None, False
 
 
+#: Without accelerate's hooks, a split map is taken as where the tensors belong only while at least
+#: this share of their elements sits where it says (strays are a few tensors, not most of them).
+MAP_STILL_HOLDS = 0.9
+
+
 def _split_map(model: Any, held: Dict[Any, int], torch: Any) -> Dict[str, Any]:
     """``{module or parameter name: device}`` of ``model.hf_device_map`` when it is a split that
-    still holds: a one-device map says where the model was loaded, not where it runs (``.to()``
-    moves a model without updating it), and so does a split map of a model whose tensors (``held``)
-    are all on one device and that no accelerate hook runs any more (moved whole after its hooks
-    were removed: accelerate's guard only warns). Devices on ``disk`` hold no tensor in memory and
-    are left out."""
+    still holds. A one-device map says where the model was loaded, not where it runs (``.to()``
+    moves a model without updating it). A split map holds while accelerate's hooks run the model;
+    without them (removed, then the model moved whole: accelerate's guard only warns) only while
+    the tensors (``held``: elements per device) are split and :data:`MAP_STILL_HOLDS` of their
+    elements sit where the map says. Devices on ``disk`` hold no tensor in memory and are left out."""
     from devmap_shims.devices.accelerate_hooks import any_hooks
 
     device_map = getattr(model, "hf_device_map", None)
     if not isinstance(device_map, dict) or len({str(d) for d in device_map.values()}) < 2:
         return {}
-    if len(held) < 2 and not any_hooks(model):
+    hooked = any_hooks(model)
+    if len(held) < 2 and not hooked:
         return {}
     lookup: Dict[str, Any] = {}
     for key, device in device_map.items():
@@ -173,7 +187,27 @@ def _split_map(model: Any, held: Dict[Any, int], torch: Any) -> Dict[str, Any]:
             lookup[str(key)] = _normalize(device, torch)
         except (RuntimeError, TypeError, ValueError):
             continue
+    if not hooked and _share_in_place(model, lookup) < MAP_STILL_HOLDS:
+        return {}
     return lookup
+
+
+def _share_in_place(model: Any, lookup: Dict[str, Any]) -> float:
+    """The share of ``model``'s elements (on a device, of a tensor the map places) that sit where
+    ``lookup`` puts them."""
+    import itertools
+
+    from torch.nn.parameter import is_lazy
+
+    placed = total = 0
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if tensor.device.type == "meta" or is_lazy(tensor):
+            continue
+        expected = _map_device(lookup, name)
+        if expected is not None:
+            total += tensor.numel()
+            placed += tensor.numel() if tensor.device == expected else 0
+    return placed / total if total else 1.0
 
 
 def _map_device(lookup: Dict[str, Any], name: str) -> Optional[Any]:

@@ -36,6 +36,8 @@ def installed_version(distribution: str) -> str | None:
     a ``*.dist-info`` FIFO in the working directory must not hold the host at ``install()``."""
     from importlib import metadata
 
+    if not distribution:  # distributions(name="") matches every distribution
+        return None
     try:
         for dist in metadata.distributions(name=distribution):
             if metadata_readable(dist):
@@ -62,6 +64,14 @@ def metadata_readable(dist: object) -> bool:
     folder = getattr(dist, "_path", None)  # PathDistribution's folder, in every release from 3.8
     if not isinstance(folder, (str, os.PathLike)):
         return True
+    try:
+        mode = os.stat(folder).st_mode
+    except (OSError, ValueError):
+        return True  # gone, or inside a zip archive: nothing there blocks
+    if stat.S_ISREG(mode):
+        return True  # an egg-info file: it is the metadata
+    if not stat.S_ISDIR(mode):
+        return False  # the *.dist-info itself a FIFO: importlib.metadata would open it
     for name in METADATA_FILES:
         try:
             mode = os.stat(os.path.join(folder, name)).st_mode

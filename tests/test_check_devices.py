@@ -114,6 +114,12 @@ def test_a_split_map_of_a_model_moved_whole_without_its_hooks_is_stale():
     hooks.remove_hook_from_module(net, recurse=True)
     net.to("cuda:0")
     assert check_devices(net) == []
+    # moved whole but for one buffer: that buffer is the stray, not what the stale map sends elsewhere
+    net[1].running_mean.data = net[1].running_mean.data.to("cuda:1")
+    assert [(r["name"], r["expected"]) for r in check_devices(net)] == [("1.running_mean", "cuda:0")]
+    net.to("cuda:1")
+    net[1].running_mean.data = net[1].running_mean.data.to("cuda:0")
+    assert [(r["name"], r["expected"]) for r in check_devices(net)] == [("1.running_mean", "cuda:1")]
 
 
 @SIM
@@ -121,14 +127,14 @@ def test_a_map_key_that_names_a_parameter_decides_for_it():
     # accelerate splits a module that holds parameters of its own into one key per parameter
     hooks = pytest.importorskip("accelerate.hooks")
     net = model("cuda:0")
-    net[0].weight.data = net[0].weight.data.to("cuda:1")
-    net.hf_device_map = {"0.weight": 1, "0.bias": 0, "1": 0, "2": 0}
+    net[0].bias.data = net[0].bias.data.to("cuda:1")
+    net.hf_device_map = {"0.weight": 0, "0.bias": 1, "1": 0, "2": 0}
     hooks.add_hook_to_module(net, hooks.AlignDevicesHook(execution_device=0))
     assert check_devices(net) == []
     hooks.remove_hook_from_module(net, recurse=True)
     net.hf_device_map = {"0": 0, "1": 0, "2": 1}
     net[2].to("cuda:1")
-    assert names(check_devices(net)) == ["0.weight"]  # its module's key says cuda:0
+    assert names(check_devices(net)) == ["0.bias"]  # its module's key says cuda:0
 
 
 @SIM

@@ -40,10 +40,29 @@ def as_device(value: Any) -> Any:
         return value
     if isinstance(value, bool):
         return None
-    try:  # an int is accelerator N, as torch and accelerate read it (cuda:N on a CUDA machine)
+    if not isinstance(value, str):
+        import operator
+
+        try:
+            return device_of_index(operator.index(value))  # an int, a numpy integer
+        except TypeError:
+            return None
+    try:
         return torch.device(value)
     except (TypeError, RuntimeError, ValueError):
         return None
+
+
+def device_of_index(index: int) -> Any:
+    """Accelerator ``index`` as torch (2.5+) and accelerate read a bare int: the current
+    accelerator's device of that index, ``cuda:N`` on a CUDA machine. torch 2.6 raises for an
+    int when no accelerator is available; CUDA then, as earlier releases read it."""
+    import torch
+
+    try:
+        return torch.device(index)
+    except RuntimeError:
+        return torch.device("cuda", index)
 
 
 def execution_device(module: Any) -> Any:

@@ -25,32 +25,26 @@ def _key(func: Callable[..., Any]) -> Any:
     (a bound method has no ``self`` parameter; a wrapper such as accelerate's hooked ``forward``,
     ``update_wrapper(partial(new_forward, module), module.forward)``, is bound when what it wraps
     is). None when there is no stable key (a ``functools.partial`` made per call): such signatures
-    are not cached. Defaults are not in the key: see :func:`_inner`."""
+    are not cached. Defaults are not in the key (:func:`bind` checks them)."""
+    return _unwrapped(func)[0]
+
+
+def _unwrapped(func: Callable[..., Any]) -> Tuple[Any, Any]:
+    """``(key, inner)``: :func:`_key`, and the object at the end of the ``__wrapped__`` chain, whose
+    ``__defaults__`` a call of ``func`` uses (closures made by one factory share a code object, and
+    so a key, with defaults of their own)."""
     bound = False
     inner = func
     for _ in range(16):
         bound = bound or getattr(inner, "__self__", None) is not None
         if "__signature__" in getattr(inner, "__dict__", ()):
-            return inner, bound
+            return (inner, bound), inner
         wrapped = getattr(inner, "__wrapped__", None)
         if wrapped is None:
             break
         inner = wrapped
     code = getattr(inner, "__code__", None)
-    return (code, bound) if code is not None else None
-
-
-def _inner(func: Callable[..., Any]) -> Any:
-    """The function whose ``__defaults__`` a call of ``func`` uses (``__wrapped__`` followed):
-    closures made by one factory share a code object, and so a key, with defaults of their own."""
-    inner = func
-    for _ in range(16):
-        inner = getattr(inner, "__func__", inner)
-        wrapped = getattr(inner, "__wrapped__", None)
-        if wrapped is None or "__signature__" in getattr(inner, "__dict__", ()):
-            break
-        inner = wrapped
-    return getattr(inner, "__func__", inner)
+    return ((code, bound) if code is not None else None), inner
 
 
 def argument_at(args: Sequence[Any], kwargs: Mapping[str, Any], position: int, *names: str) -> Any:
@@ -145,8 +139,7 @@ def bind(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Mapping[str, A
 
     Raises TypeError, as the call itself would, when the arguments do not fit the signature.
     """
-    key = _key(func)
-    inner = _inner(func)
+    key, inner = _unwrapped(func)
     defaults = getattr(inner, "__defaults__", None), getattr(inner, "__kwdefaults__", None)
     cached = _SIGNATURES.get(key) if key is not None else None
     if cached is not None and cached[1] is defaults[0] and cached[2] is defaults[1]:

@@ -111,15 +111,11 @@ def _join(prefix: str, name: str) -> str:
 def _normalize(device: Any, torch: Any) -> Any:
     """``device`` as the ``torch.device`` its tensors report: an int is the accelerator of that
     index (``cuda:N`` on a CUDA machine, as torch reads it), and a device without an index gets
-    the current one of its kind, as a tensor made there does."""
-    if device is None:
-        return None
-    if isinstance(device, int) and not isinstance(device, bool):
-        from devmap_shims.devices.accelerate_hooks import device_of_index
+    the current one of its kind, as a tensor made there does; None for what names no device."""
+    from devmap_shims.devices.accelerate_hooks import as_device
 
-        device = device_of_index(device)
-    device = torch.device(device)
-    if device.index is None and device.type not in ("cpu", "meta"):
+    device = as_device(device)
+    if device is not None and device.index is None and device.type not in ("cpu", "meta"):
         backend = getattr(torch, device.type, None)
         current = getattr(backend, "current_device", None)
         try:
@@ -180,13 +176,10 @@ def _split_map(model: Any, held: Dict[Any, int], torch: Any) -> Dict[str, Any]:
     if len(held) < 2 and not hooked:
         return {}
     lookup: Dict[str, Any] = {}
-    for key, device in device_map.items():
-        if device == "disk":
-            continue
-        try:  # a hand-made map may key a module by a number ({0: 0, 1: 1} for a Sequential)
-            lookup[str(key)] = _normalize(device, torch)
-        except (RuntimeError, TypeError, ValueError):
-            continue
+    for key, device in device_map.items():  # "disk" names no device: left out
+        device = _normalize(device, torch)
+        if device is not None:  # a hand-made map may key a module by a number ({0: 0, 1: 1})
+            lookup[str(key)] = device
     if not hooked and _share_in_place(model, lookup) < MAP_STILL_HOLDS:
         return {}
     return lookup

@@ -105,7 +105,7 @@ def one_gpu(device_map: Any) -> bool:
         return False
     devices = set()
     for value in device_map.values():
-        device = None if isinstance(value, str) and value == "disk" else as_device(value)
+        device = as_device(value)  # None for "disk", which names no torch device
         if device is None or device.type in ("cpu", "meta"):
             return False
         devices.add(device)

@@ -205,14 +205,18 @@ def repair_model_to(context: Any, wrapped: Callable[..., Any], instance: Any, ar
 def single_cuda_index(device_map: Any) -> Optional[int]:
     """The GPU index of a device map that puts the whole model on one CUDA device, else None
     (``"cuda"``: the current device)."""
-    device = single_cuda_device(device_map)
+    return _cuda_index(single_cuda_device(device_map))
+
+
+def _cuda_index(device: Any) -> Optional[int]:
+    """The index of ``device`` (a CUDA ``torch.device`` or None), the current GPU's for ``"cuda"``."""
     if device is None:
         return None
-    if device.index is None:
-        import torch
+    if device.index is not None:
+        return device.index
+    import torch
 
-        return torch.cuda.current_device()
-    return device.index
+    return torch.cuda.current_device()
 
 
 def single_cuda_device(device_map: Any) -> Any:
@@ -264,13 +268,13 @@ def repair_from_pretrained(wrapped: Callable[..., Any], instance: Any, args: Tup
     """``ModelMixin.from_pretrained`` that loads a bitsandbytes model onto the GPU its one-GPU map names."""
     # the quantization is asked about first: device_map="cuda" for any other load must not
     # start CUDA here (a machine without a driver, a process that forks workers later)
-    one_gpu = single_cuda_device(kwargs.get("device_map")) is not None
-    if not one_gpu or not _is_bnb_quantized_load(instance, args, kwargs):
+    device = single_cuda_device(kwargs.get("device_map"))
+    if device is None or not _is_bnb_quantized_load(instance, args, kwargs):
         return wrapped(*args, **kwargs)
     import torch
 
-    index = single_cuda_index(kwargs.get("device_map"))
-    if index is None or index >= torch.cuda.device_count():
+    index = _cuda_index(device)
+    if index >= torch.cuda.device_count():
         return wrapped(*args, **kwargs)  # let diffusers report the bad map
     kwargs = {k: v for k, v in kwargs.items() if k != "device_map"}
     logger.info(

@@ -85,6 +85,6 @@ def _warn_bad(raw: str) -> None:
 
     from devmap_shims.shims import config
 
-    message = config.not_understood(config.ENV_ENABLE, raw) + " Running without shims."
-    logging.getLogger("devmap_shims").warning("%s", message)
-    config.LOGGED_AT_START_UP.add(config.not_understood(config.ENV_ENABLE, raw))
+    message = config.not_understood(config.ENV_ENABLE, raw)
+    logging.getLogger("devmap_shims").warning("%s Running without shims.", message)
+    config.LOGGED_AT_START_UP.add(message)

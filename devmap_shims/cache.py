@@ -130,22 +130,22 @@ def _safe_folder(folder: str) -> bool:
         info = os.lstat(folder)
     except OSError:
         return False
-    if not stat.S_ISDIR(info.st_mode):
-        return False
-    if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
-        return False
-    return not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    return _own_folder(info) and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _own_folder(info: os.stat_result) -> bool:
+    """Whether ``info`` (an ``os.stat`` result) is that of a folder of this user."""
+    import stat
+
+    return stat.S_ISDIR(info.st_mode) and not (hasattr(os, "geteuid") and info.st_uid != os.geteuid())
 
 
 def _make_inside_own(path: str, mode: int) -> bool:
     """Make the folder ``path`` when the folder it goes in (links followed) belongs to this user."""
-    import stat
-
     try:
-        parent = os.stat(os.path.dirname(path))
+        if not _own_folder(os.stat(os.path.dirname(path))):
+            return False
     except OSError:
-        return False
-    if not stat.S_ISDIR(parent.st_mode) or (hasattr(os, "geteuid") and parent.st_uid != os.geteuid()):
         return False
     try:
         os.mkdir(path, mode)

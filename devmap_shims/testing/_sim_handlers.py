@@ -21,7 +21,7 @@ from devmap_shims.calls import argument_at
 from . import _sim_state as S
 from ._sim_autograd import check_backward_call, h_grad_get, h_grad_set
 from ._sim_devices import device_key, fmt_device, off_cpu, parse_device
-from ._sim_generic import dtype_itemsize
+from ._sim_generic import dtype_itemsize, run_with_device
 from ._sim_operands import torch_functions
 from ._sim_storages import is_pinned, mark_pinned, same_storage, sim_copy, tag, tag_all
 from ._sim_values import advanced, check_put_value, h_fill, h_masked_fill, h_where
@@ -74,7 +74,10 @@ def _h_to(func, args, kwargs):
 
 
 def _h_self_device(func, args, kwargs):
-    """Ops whose result lives on self's device whatever the other operands (new_*, copy_)."""
+    """Ops whose result lives on self's device whatever the other operands (new_*, copy_), unless
+    a ``new_*`` names its own ``device=``."""
+    if kwargs.get("device") is not None:
+        return run_with_device(func, args, kwargs, kwargs["device"])
     out = func(*args, **kwargs)
     idx = S.sim_index(args[0]) if args and isinstance(args[0], _Tensor) else None
     if idx is not None:
@@ -185,14 +188,21 @@ def _h_record_stream(func, args, kwargs):
     return None
 
 
+def _scalar_index(index: torch.Tensor) -> bool:
+    """A 0-dim integer or bool tensor, which indexing reads with ``.item()`` wherever it lives
+    (``handleDimInMultiDimIndexing``, ATen/TensorIndexing.h)."""
+    return index.dim() == 0 and not (index.is_floating_point() or index.is_complex())
+
+
 def _h_index(func, args, kwargs):
-    """Indexing: CPU index tensors are fine on CUDA; CUDA indices must be on the tensor's device."""
+    """Indexing: CPU index tensors are fine on CUDA; CUDA indices must be on the tensor's device,
+    except a 0-dim integer or bool index, which torch reads as a number (``x[t.sum() - 1]``)."""
     self = args[0]
     index = args[1] if len(args) > 1 else None
     own = device_key(self)
     idxs = index if isinstance(index, (tuple, list)) else (index,)
     for i in idxs:
-        if isinstance(i, _Tensor):
+        if isinstance(i, _Tensor) and not _scalar_index(i):
             k = device_key(i)
             if k != own and off_cpu(k):
                 raise RuntimeError(

@@ -431,6 +431,38 @@ def test_advanced_index_assignment_checks_the_values_device():
         assert x.device.index == 0 and x.cpu().tolist() == [[3.0, 3.0], [1.0, 1.0], [3.0, 3.0]]
 
 
+def test_a_zero_dim_integer_index_on_another_device_is_read_as_a_number():
+    """torch reads a 0-dim integer or bool index with ``item()`` (``handleDimInMultiDimIndexing``),
+    wherever it lives: ``hidden[mask.sum() - 1]`` with the mask on another GPU works on hardware.
+    A 1-dim index on another GPU is still refused."""
+    with simulated_gpus(2):
+        h = torch.arange(10.0, device="cuda:1")
+        last = torch.tensor(3, device="cuda:0")
+        assert h[last].device.index == 1 and h[last].cpu().item() == 3.0
+        assert torch.arange(10)[last].item() == 3
+        h[last] = 0.0
+        assert h.cpu()[3].item() == 0.0
+        assert h[torch.tensor(True, device="cuda:0")].shape == (1, 10)
+        with pytest.raises(RuntimeError, match=r"indices should be either on cpu or on the same device as the "
+                                                r"indexed tensor \(cuda:1\)"):
+            h[torch.tensor([3], device="cuda:0")]
+
+
+def test_new_tensors_go_to_the_device_they_name():
+    """``new_zeros(..., device=...)`` and the other ``new_*`` take the device they are given, and
+    only that device is charged; without one they follow self."""
+    with simulated_gpus(2, memory="1GiB"):
+        x = torch.ones(4, device="cuda:0")
+        before = torch.cuda.memory_allocated(0)
+        cpu = x.new_zeros(1024, device="cpu")
+        assert cpu.device.type == "cpu" and not is_simulated(cpu)
+        assert torch.cuda.memory_allocated(0) == before
+        other = x.new_full((1024,), 2.0, device="cuda:1")
+        assert other.device.index == 1 and torch.cuda.memory_allocated(1) >= 4096
+        assert x.new_empty(2, device=1).device.index == 1 and x.new_tensor([1], device="cuda:1").device.index == 1
+        assert x.new_ones(2).device.index == 0
+
+
 def test_zero_dim_values_cross_devices_where_cuda_kernels_read_them():
     """where moves a 0-dim operand to the result's device; fill_ and masked_fill read a 0-dim value
     with item(); a list of 0-dim tensors is read as numbers, on the default device."""

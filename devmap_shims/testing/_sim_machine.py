@@ -9,6 +9,7 @@ as the storage itself lives).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Sequence, Union
@@ -83,6 +84,10 @@ def round_block(nbytes: int) -> int:
     return -(-nbytes // _BLOCK) * _BLOCK
 
 
+class _CurrentDevice(threading.local):
+    index = 0
+
+
 @dataclass(frozen=True)
 class SimulatedDeviceProperties:
     """Stand-in for ``torch.cuda.get_device_properties(i)`` (``_CudaDeviceProperties``)."""
@@ -136,7 +141,7 @@ class SimulatedMachine:
         self._peak: List[int] = [0] * n
         self._num_ooms: List[int] = [0] * n
         self._num_allocs: List[int] = [0] * n
-        self._current = 0
+        self._current = _CurrentDevice()  # per thread, as cudaSetDevice: a new thread starts on 0
         major, minor, sms = _KNOWN_GPUS.get(name, (8, 0, 108))
         self._props = [
             SimulatedDeviceProperties(
@@ -161,7 +166,7 @@ class SimulatedMachine:
 
     @property
     def current_device(self) -> int:
-        return self._current
+        return self._current.index
 
     def capacity(self, i: int) -> int:
         return self._caps[self._check(i)]
@@ -203,7 +208,7 @@ class SimulatedMachine:
         return i
 
     def _set_current(self, i: int) -> None:
-        self._current = self._check(i)
+        self._current.index = self._check(i)
 
     def _default_oom_message(self, device: int, request: int) -> str:
         cap = self._caps[device]

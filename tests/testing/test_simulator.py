@@ -355,6 +355,21 @@ def test_worker_threads_run_in_the_simulation():
         assert t.device.index == 1
 
 
+
+def test_the_current_device_is_per_thread():
+    """cudaSetDevice sets the device of the calling thread; a new thread starts on device 0."""
+    with simulated_gpus(2):
+        torch.cuda.set_device(1)
+
+        def worker():
+            start = torch.cuda.current_device()
+            torch.cuda.set_device(0)
+            return start, torch.empty(1, device="cuda").device.index
+
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(worker).result() == (0, 0)
+        assert torch.cuda.current_device() == 1 and torch.empty(1, device="cuda").device.index == 1
+
 # ------------------------------------------------------------------------------------------------
 # CUDA's device checks
 # ------------------------------------------------------------------------------------------------

@@ -142,8 +142,9 @@ def _resolve_accelerate_max_memory(max_memory: Optional[dict]) -> Dict[Any, int]
 
 def budgets_from_balanced_call(call: _BalancedCall, passed: Optional[dict]) -> Optional[Dict[Any, float]]:
     """The user's budgets scaled by whatever the caller did to the balanced caps in between
-    (transformers: the quantizer's ``adjust_max_memory``). None when the caller's change is not
-    a per-device scaling down (then it is not ours to second-guess)."""
+    (transformers: the quantizer's ``adjust_max_memory``, one factor for every device). None when
+    the caller's change is anything else, a raise or one device lowered (then it is not ours to
+    second-guess: the map must keep to the caps it was given)."""
     if passed is None:
         return None
     received = _resolve_accelerate_max_memory(passed)
@@ -155,6 +156,10 @@ def budgets_from_balanced_call(call: _BalancedCall, passed: Optional[dict]) -> O
         logger.debug("device map left alone: budgets were raised after get_balanced_memory")
         return None
     default = max(factors.values(), default=1.0)
+    if factors and min(factors.values()) < default * (1 - 1e-6):
+        logger.debug("device map left alone: max_memory was changed per device between get_balanced_memory "
+                     "and infer_auto_device_map")
+        return None
     user = _resolve_accelerate_max_memory(call.user_max_memory)
     return {k: user.get(k, received[k]) * factors.get(k, default) for k in received}
 

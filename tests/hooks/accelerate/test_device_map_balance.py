@@ -151,7 +151,7 @@ def accelerate_pair_inputs(meta):
                        special_dtypes=special)
 
 
-def run_pair(model, user, kwargs, factor=0.9, shim=True, second_infer=False):
+def run_pair(model, user, kwargs, factor=0.9, shim=True, second_infer=False, adjust=None):
     from devmap_shims.shims import ShimContext
     from devmap_shims.shims.guard import bind_context
 
@@ -168,6 +168,8 @@ def run_pair(model, user, kwargs, factor=0.9, shim=True, second_infer=False):
     with stack.quiet_missing_devices(), stack.gpu_context([23 * GiB] * 8):
         balanced = call_gbm(model, max_memory=None if user is None else dict(user), **kwargs)
         balanced = {k: v * factor for k, v in balanced.items()}
+        if adjust is not None:
+            adjust(balanced)
         first = call_iadm(model, max_memory=balanced, **kwargs)
         if second_infer:
             return first, call_iadm(model, max_memory=balanced, **kwargs)
@@ -200,6 +202,20 @@ def test_accelerate_pair_left_alone_when_budgets_are_raised_in_between(gemma):
     raised = run_pair(model, gpus(8, cpu=0), kwargs, factor=1.5)
     plain = run_pair(model, gpus(8, cpu=0), kwargs, factor=1.5, shim=False)
     assert raised == plain
+
+
+def test_accelerate_pair_left_alone_when_the_caller_lowers_one_gpu_in_between(gemma):
+    """Balanced caps taken, GPU 0 lowered, then the map: a change that is not the quantizer's
+    uniform scaling is the caller's, and the map must keep to the cap it was given."""
+    model, kwargs = accelerate_pair_inputs(gemma)
+
+    def lower_gpu0(caps):
+        caps[0] = GiB
+
+    lowered = run_pair(model, gpus(8, cpu=0), kwargs, adjust=lower_gpu0)
+    assert lowered == run_pair(model, gpus(8, cpu=0), kwargs, adjust=lower_gpu0, shim=False)
+    sizes = am.compute_module_sizes(model, dtype=kwargs["dtype"], special_dtypes=kwargs["special_dtypes"])
+    assert sum(sizes[name] for name, dev in lowered.items() if dev == 0) <= GiB
 
 
 def test_balanced_low_0_keeps_gpu0_empty(gemma):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Tuple
 
 from devmap_shims._text import fit
+from devmap_shims.planning.assess import TOLERANCE
 from devmap_shims.planning.sizes import format_bytes
 
 #: Text output is wrapped to this many columns.
@@ -95,7 +96,11 @@ def _verdict_lines(report: Dict[str, Any], label: str = "verdict") -> List[str]:
     ratio = report.get("balance_ratio")
     verdict = f"{label}: {report['verdict']}"
     if ratio is not None and not report.get("offload_unavoidable"):
-        verdict += f" (busiest GPU {ratio:.2f}x the lower bound {format_bytes(report['lower_bound'])})"
+        verdict += f" (busiest GPU {ratio:.2f}x the lower bound {format_bytes(report['lower_bound'])}"
+        best = report.get("best_split")
+        if report["verdict"] == "ok" and best is not None and ratio > TOLERANCE:
+            verdict += "; no split of whole modules in order does better"
+        verdict += ")"
     lines = [wrap(verdict)]
     for problem in report["problems"]:
         lines.append(wrap(f"  - {problem}", indent="    "))

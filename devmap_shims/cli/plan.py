@@ -214,13 +214,14 @@ def _judged(assessment: Any, model_bytes: int, quantization: str) -> Dict[str, A
     with the reason (the model's size against what the GPUs offer)."""
     if assessment is None:
         return {"bytes_per_device": {}, "verdict": "unknown", "problems": [], "lower_bound": None,
-                "balance_ratio": None, "offloaded_bytes": 0, "offload_unavoidable": False}
+                "balance_ratio": None, "best_split": None, "offloaded_bytes": 0, "offload_unavoidable": False}
     out: Dict[str, Any] = {
         "bytes_per_device": _bytes(assessment),
         "verdict": assessment.verdict,
         "problems": list(assessment.problems),
         "lower_bound": assessment.lower_bound,
         "balance_ratio": round(assessment.ratio, 4),
+        "best_split": assessment.best_split,
         "offloaded_bytes": assessment.offloaded,
         "offload_unavoidable": bool(assessment.unavoidable and assessment.offloaded),
     }
@@ -273,7 +274,7 @@ def _modules_per_device(device_map: Dict[str, Any]) -> Dict[str, List[str]]:
 _SHARED = ("schema_version", "config", "model_type", "model_class", "parameters", "quantization", "dtype",
            "gpus", "max_memory", "model_bytes", "shims_armed", "versions")
 _JUDGED = ("device_map", "bytes_per_device", "verdict", "problems", "lower_bound", "balance_ratio",
-           "offloaded_bytes", "offload_unavoidable")
+           "best_split", "offloaded_bytes", "offload_unavoidable")
 
 
 def _combined(reports: List[Dict[str, Any]]) -> Dict[str, Any]:

@@ -4,10 +4,12 @@ A map computed for ``device_map="auto" | "balanced" | "balanced_low_0"`` is *deg
 (checked in this order, the first that holds is the verdict):
 
 ``collapsed``
-    two or more GPUs have budget, the one GPU in use holds more than a balanced split of its load
-    over them would, and another GPU could take one of its blocks (GPU 0 less the room it keeps for
-    streaming offloaded blocks) (huggingface/transformers#34751: Gemma-2-27B in 4-bit on 8 GPUs,
-    every module on one GPU); a GPU holding a single block, the rest offloaded, is not collapsed.
+    two or more GPUs have budget, the one GPU in use holds more than ``tolerance`` times what a
+    balanced split of its load over them would put on it, and more than the best contiguous split
+    of its blocks does, and a GPU before it could take its first block or one after it its last
+    (GPU 0 less the room it keeps for streaming offloaded blocks) (huggingface/transformers#34751:
+    Gemma-2-27B in 4-bit on 8 GPUs, every module on one GPU); a GPU holding a single block, the
+    rest offloaded, is not collapsed.
 ``offloaded``
     modules went to the CPU or disk although some GPU still has room for one of them
     (after keeping aside, on the main GPU, room for the largest offloaded block, which
@@ -19,7 +21,9 @@ A map computed for ``device_map="auto" | "balanced" | "balanced_low_0"`` is *deg
 ``imbalanced``
     the busiest GPU holds more than ``tolerance`` (1.10) times the lower bound
     ``max(total / number of GPUs, largest unsplittable block)`` (see :func:`lower_bound` for
-    GPUs whose user budget is below an even share).
+    GPUs whose user budget is below an even share), and more than the busiest GPU of the best
+    contiguous split of the blocks it places on GPUs: whole blocks in module order often cannot
+    come within ``tolerance`` of the bound, and a map that no split can beat is not blamed.
 
 Anything else is ``ok``. ``collapsed`` and ``imbalanced`` do not apply to ``sequential`` maps
 (``in_order=True``): that strategy fills each GPU before the next on purpose.
@@ -31,10 +35,10 @@ An ``ok`` map may still offload: when the GPUs' budgets cannot hold the model in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Optional
 
 from devmap_shims.planning.layout import Layout
-from devmap_shims.planning.partition import longest_prefix_with_reserve
+from devmap_shims.planning.partition import longest_prefix_with_reserve, min_max_cap
 from devmap_shims.planning.sizes import format_bytes
 
 TOLERANCE = 1.10
@@ -68,6 +72,9 @@ class Assessment:
     #: the largest block that cannot be split, and the largest GPU budget
     largest_block: int = 0
     largest_budget: int = 0
+    #: the busiest GPU's load in the best contiguous split of the blocks the map puts on GPUs
+    #: (computed only when the map is over ``tolerance`` times the lower bound, else None)
+    best_split: Optional[int] = None
 
     def offload_reason(self, model_bytes: int) -> str:
         """Why the offload cannot be avoided, in one sentence ('' when it can, or nothing moves)."""
@@ -245,13 +252,19 @@ def assess(
     # it (blocks offloaded because no GPU can take them could not be spread either), and another
     # GPU has room for one of its blocks
     collapsed = False
+    best = None  # the busiest GPU of the best contiguous split of the blocks on GPUs, once needed
     if not in_order and len(active) >= 2 and len(used) == 1:
-        placed = zip(layout.placed_names, layout.placed_sizes)
-        on_gpus = [size for name, size in placed if unit_devices[name] in loads]
-        spread = split_bound(loads[used[0]], max(on_gpus, default=0), budgets, low_zero)
-        smallest = min([size for size in on_gpus if size], default=0)
-        room_elsewhere = any(room[g] >= smallest for g in active if g != used[0])
-        collapsed = loads[used[0]] > tolerance * spread and room_elsewhere
+        on_gpus = _on_gpus(layout, unit_devices, loads)
+        one = used[0]
+        # blocks stay in module order: a GPU before the one in use can only take its first block,
+        # a GPU after it only its last
+        room_elsewhere = bool(on_gpus) and any(
+            room[g] >= (on_gpus[0] if g < one else on_gpus[-1]) for g in active if g != one
+        )
+        spread = split_bound(loads[one], max(on_gpus, default=0), budgets, low_zero)
+        if room_elsewhere and loads[one] > tolerance * spread:
+            best = _best_split(on_gpus, room, active, gpus)
+            collapsed = best is None or loads[one] > best
     if collapsed:
         problems.append(
             f"all modules on GPU {used[0]} while {len(active)} GPUs have budget "
@@ -288,6 +301,10 @@ def assess(
 
     imbalanced = not in_order and max_load > tolerance * bound
     if imbalanced and not collapsed:
+        if best is None:
+            best = _best_split(_on_gpus(layout, unit_devices, loads), room, active, gpus)
+        imbalanced = best is None or max_load > best
+    if imbalanced and not collapsed:
         problems.append(
             f"busiest GPU holds {format_bytes(max_load)}, {max_load / bound:.2f}x the lower bound "
             f"{format_bytes(bound)}"
@@ -319,7 +336,23 @@ def assess(
         reserve=reserve,
         largest_block=layout.largest,
         largest_budget=int(max([budgets[g] for g in gpus] or [0])),
+        best_split=best,
     )
+
+
+def _on_gpus(layout: Layout, unit_devices: Mapping[str, Any], loads: Mapping[Any, int]) -> List[int]:
+    """Sizes of the blocks the map puts on GPUs, in module order (blocks without bytes left out)."""
+    placed = zip(layout.placed_names, layout.placed_sizes)
+    return [size for name, size in placed if size and unit_devices[name] in loads]
+
+
+def _best_split(sizes: List[int], room: Mapping[int, float], active: List[int], gpus: List[int]) -> Any:
+    """The busiest GPU's load in the best contiguous split of ``sizes`` over the active GPUs'
+    room (over every GPU's when the active ones cannot hold them; None when no GPUs can)."""
+    best = min_max_cap(sizes, [int(room[g]) for g in active])
+    if best is None and len(active) < len(gpus):
+        best = min_max_cap(sizes, [int(room[g]) for g in gpus])
+    return best
 
 
 def _dev(d: Any) -> str:

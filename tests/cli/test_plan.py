@@ -173,6 +173,23 @@ def test_user_caps_are_respected(capsys, gemma_dir, stack_ready):
     assert report["verdict"] == "ok"
 
 
+def test_a_map_no_split_of_whole_modules_beats_is_ok(capsys, tmp_path, stack_ready):
+    """GPU 0 capped below the 1.46 GiB embedding: the whole model (six layers, 4.56 GiB) on GPU 1
+    is the best placement of whole modules in order, 1.28x the lower bound, and not a degenerate
+    map (exit 0)."""
+    gemma_dir = tmp_path
+    (tmp_path / "config.json").write_text(json.dumps({**GEMMA_7B, "num_hidden_layers": 6}))
+    code, out, _ = run(capsys, str(gemma_dir), "--gpus", "2x23GiB", "--max-memory", "0=1GiB",
+                       "--cpu-memory", "100GiB", "--json", "--without-shims")
+    report = json.loads(out)
+    assert set(report["bytes_per_device"]) == {"1"}
+    assert code == 0 and report["verdict"] == "ok", report["problems"]
+    assert report["balance_ratio"] > 1.10 and report["best_split"] == report["bytes_per_device"]["1"]
+    code, out, _ = run(capsys, str(gemma_dir), "--gpus", "2x23GiB", "--max-memory", "0=1GiB",
+                       "--cpu-memory", "100GiB", "-q", "--without-shims")
+    assert "no split of whole modules in order does better" in " ".join(out.split())
+
+
 def test_registered_in_the_cli(capsys, gemma_dir, stack_ready):
     code = main(["plan", str(gemma_dir), "--gpus", "8x", "--json"])
     _, err = capsys.readouterr()

@@ -10,7 +10,7 @@ pytest.importorskip("torch")
 pytest.importorskip("accelerate")
 
 from devmap_shims.planning import layout_from_module  # noqa: E402
-from devmap_shims.planning.assess import IMBALANCED, OFFLOADED, assess  # noqa: E402
+from devmap_shims.planning.assess import OFFLOADED, OK, assess  # noqa: E402
 from devmap_shims.testing.models.tied import TIED_NO_SPLIT, tied_backbone_model, tied_backbone_sizes  # noqa: E402
 
 
@@ -45,6 +45,8 @@ def test_the_map_accelerate_gives_without_the_shim_is_degenerate_and_the_shims_k
     # not "collapsed": GPU 1 holds one layer, which no split could spread; the layers on the CPU fit the GPUs
     assert alone.verdict == OFFLOADED and alone.offloaded == 2 * (sizes["encoder_layer"] + sizes["decoder_layer_own"])
     assert alone.skipped == [0] and not alone.collapsed
-    # accelerate's sequential fill (GPU 0 keeps its largest layer free) is uneven, never offloaded
+    # the shims' map is uneven (over 1.10x the bound) but no contiguous split of these layers does
+    # better, so it is not blamed; nothing is offloaded
     shimmed = assess(layout, layout.unit_devices(with_shim), budgets)
-    assert shimmed.verdict == IMBALANCED and shimmed.offloaded == 0 and not shimmed.skipped
+    assert shimmed.verdict == OK and shimmed.ratio > 1.10
+    assert shimmed.offloaded == 0 and not shimmed.skipped

@@ -57,6 +57,17 @@ def test_malformed_max_memory(capsys, gemma_dir, caps):
     assert_usage_error(*run(capsys, str(gemma_dir), "--gpus", "8x23GiB", "--max-memory", caps))
 
 
+@pytest.mark.parametrize(("argv", "named"), [
+    (("--cpu-memory", "-5"), "--cpu-memory: "),
+    (("--max-memory", "0="), "--max-memory 0=: "),
+    (("--max-memory", "1=2GiB,cpu=lots"), "--max-memory cpu=lots: "),
+])
+def test_a_bad_size_names_the_option_it_came_from(capsys, gemma_dir, argv, named):
+    code, out, err = run(capsys, str(gemma_dir), "--gpus", "8x23GiB", *argv)
+    assert_usage_error(code, out, err)
+    assert f"devmap-shims plan: error: {named}not a memory size" in err
+
+
 def test_missing_file(capsys, tmp_path):
     code, out, err = run(capsys, str(tmp_path / "nope.json"), "--gpus", "8x23GiB")
     assert_usage_error(code, out, err)

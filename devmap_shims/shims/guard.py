@@ -38,7 +38,9 @@ def guarded_call(registry: Registry, entry: TargetEntry, repair: Callable[..., A
             return wrapped(*args, **kwargs)
         call = _OriginalCall(wrapped)
         try:
-            return repair(call, instance, args, kwargs)
+            # the repair gets its own dict: one that edits it and then fails must not hand the
+            # plain call its half-made arguments
+            return repair(call, instance, args, dict(kwargs))
         except BaseException as exc:
             if call.raised is not None:  # the library's own error: always the library's
                 if exc is call.raised:
@@ -98,10 +100,12 @@ def later_call(
 
 
 def _not_the_repairs_fault(exc: BaseException) -> bool:
-    """An error that goes to the caller as it is, the shim left on: an interrupt or exit, a
-    :class:`ShimError` (a repair refusing on purpose, strict mode), the library's own answer to the
-    user's call (:func:`library_call`), or no memory left (:func:`out_of_memory`)."""
-    return (isinstance(exc, (KeyboardInterrupt, SystemExit, ShimError)) or getattr(exc, LIBRARY_ERROR, False)
+    """An error that goes to the caller as it is, the shim left on: anything that is not an
+    ``Exception`` (an interrupt or exit, ``GeneratorExit``, ``asyncio.CancelledError``: control
+    flow, not a fault), a :class:`ShimError` (a repair refusing on purpose, strict mode), the
+    library's own answer to the user's call (:func:`library_call`), or no memory left
+    (:func:`out_of_memory`)."""
+    return (not isinstance(exc, Exception) or isinstance(exc, ShimError) or getattr(exc, LIBRARY_ERROR, False)
             or out_of_memory(exc))
 
 
@@ -160,6 +164,7 @@ class _OriginalCall:
         except BaseException as exc:
             self.raised = exc
             raise
+        self.raised = None  # a repair that caught an error and called again: that error was handled
         return self.result
 
     @property

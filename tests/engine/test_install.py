@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 
@@ -627,6 +628,61 @@ def test_shim_error_from_a_repair_passes_through_unchanged(fake_stack):
 
     with pytest.raises(ShimError, match="^refused on purpose$"):
         fakelib.core.compute(3)
+
+
+def test_a_library_error_the_repair_handled_is_not_raised_after_a_later_repair_bug(fake_stack, caplog):
+    """A repair that tries a newer keyword, catches the TypeError, calls again and then fails on
+    its own bug: the retry's result comes back and the shim goes off, as for any failing repair;
+    the handled TypeError is not raised at the caller."""
+
+    def retry_then_break(wrapped, instance, args, kwargs):
+        try:
+            result = wrapped(*args, new_option=True, **kwargs)
+        except TypeError:
+            result = wrapped(*args, **kwargs)
+        return result + {}["missing"]
+
+    register_fake(wrapper=retry_then_break)
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    with caplog.at_level(logging.WARNING, logger="devmap_shims"):
+        assert fakelib.core.compute(3) == 6
+    assert shim_status()["state"] == "failed" and shim_status()["call_failures"] == 1
+
+
+def test_the_plain_call_after_a_failed_repair_gets_the_callers_arguments(fake_stack, caplog):
+    def edit_then_break(wrapped, instance, args, kwargs):
+        kwargs["scale"] = 10
+        raise KeyError("device")
+
+    register_fake(wrapper=edit_then_break)
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    with caplog.at_level(logging.WARNING, logger="devmap_shims"):
+        assert fakelib.core.compute(3, scale=2) == 6
+    assert shim_status()["state"] == "failed"
+
+
+@pytest.mark.parametrize("exc_type", [GeneratorExit, asyncio.CancelledError, KeyboardInterrupt])
+def test_control_flow_exceptions_reach_the_caller_and_keep_the_shim_on(fake_stack, exc_type):
+    """``GeneratorExit`` and ``asyncio.CancelledError`` are not a broken repair: they go to the
+    caller, the original is not run a second time, and the shim stays on."""
+    calls = []
+
+    def cancelled(wrapped, instance, args, kwargs):
+        calls.append("repair")
+        raise exc_type()
+
+    register_fake(wrapper=cancelled)
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    with pytest.raises(exc_type):
+        fakelib.core.compute(3)
+    assert calls == ["repair"]
+    assert shim_status()["state"] == "active" and shim_status()["call_failures"] == 0
 
 
 def test_a_method_repair_reads_positional_arguments_by_name(fake_stack):

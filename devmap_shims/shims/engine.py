@@ -347,7 +347,10 @@ def _after_fork_in_child() -> None:
         containment.reinit_after_fork()
     for entry in registry.shims.values():
         if entry.shim.state is not None:
-            entry.context.state = entry.shim.state()
+            try:
+                entry.context.state = entry.shim.state()
+            except Exception:  # the shim's first call fails and switches it off, with one warning
+                entry.context.state = None
 
 
 def _register_at_fork() -> None:

@@ -53,9 +53,9 @@ class ShimContext:
 
     __slots__ = ("shim_id", "state", "_registry", "__weakref__")
 
-    def __init__(self, shim: Shim, registry: Optional[Registry] = None) -> None:
+    def __init__(self, shim: Shim, registry: Optional[Registry] = None, make_state: bool = True) -> None:
         self.shim_id = shim.id
-        self.state = shim.state() if shim.state is not None else None
+        self.state = shim.state() if make_state and shim.state is not None else None
         self._registry = registry
 
     @property
@@ -149,15 +149,30 @@ class Registry:
         self._versions: Optional[Dict[str, Optional[str]]] = None
 
     def add(self, shim: Shim, *, selected: bool = True, why_not: str = "", forced: bool = False) -> ShimEntry:
-        """A new entry for ``shim``, with a fresh context and one pending (or skipped) entry per target."""
-        entry = ShimEntry(shim, ShimContext(shim, self))
+        """A new entry for ``shim``, with a fresh context and one pending (or skipped) entry per
+        target; failed ones, with one warning, when the shim's state cannot be made (strict mode:
+        :class:`ShimError`)."""
+        broken = ""
+        try:
+            context = ShimContext(shim, self)
+        except Exception as exc:
+            broken = f"{type(exc).__name__}: {exc}"
+            if self.strict:
+                raise ShimError(f"shim {shim.id!r}: making its state (Shim(state=...)) raised {broken}") from exc
+            context = ShimContext(shim, self, make_state=False)
+        entry = ShimEntry(shim, context)
         entry.selected, entry.why_not_selected, entry.forced = selected, why_not, forced
         for target in shim.targets:
             target_entry = TargetEntry(entry, target)
-            if not selected:
+            if broken and selected:
+                target_entry.state, target_entry.reason, target_entry.error = FAILED, "its state could not be made", broken
+            elif not selected:
                 target_entry.state, target_entry.reason = SKIPPED, why_not
             entry.targets.append(target_entry)
         self.shims[shim.id] = entry
+        if broken and selected:
+            self.warn(f"shim {shim.id!r} is off: making its state (Shim(state=...)) raised {broken}; "
+                      "the other shims are installed")
         return entry
 
     def target_entries(self) -> List[TargetEntry]:

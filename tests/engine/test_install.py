@@ -685,6 +685,41 @@ def test_control_flow_exceptions_reach_the_caller_and_keep_the_shim_on(fake_stac
     assert shim_status()["state"] == "active" and shim_status()["call_failures"] == 0
 
 
+def test_a_shim_whose_state_cannot_be_made_is_off_and_the_others_install(fake_stack, caplog):
+    """``Shim(state=factory)`` raising at install() fails that shim alone, with one warning; the
+    other shims arm, install() succeeds again, and a fork's fresh states do not stop at it."""
+    from devmap_shims.shims import engine
+
+    def broken_state():
+        raise RuntimeError("state factory broke")
+
+    register_fake()
+    devmap_shims.register(Shim("times-ten", ("fake-bug",), (Target("fakelib.core", "compute"),),
+                               lambda w, i, a, k: w(*a, **k) * 10, state=broken_state))
+    with caplog.at_level(logging.WARNING, logger="devmap_shims"):
+        for _ in range(2):
+            assert devmap_shims.install(only=["fake-fix", "times-ten"])
+            import fakelib.core
+
+            assert fakelib.core.compute(3) == 7
+            broken = shim_status("times-ten")
+            assert broken["state"] == "failed" and "state factory broke" in broken["targets"][0]["error"]
+            assert shim_status()["state"] == "active"
+            assert devmap_shims.uninstall()
+    assert sum("state factory broke" in r.getMessage() for r in caplog.records) == 1
+    devmap_shims.install(only=["fake-fix", "times-ten"])
+    engine._after_fork_in_child()  # what a forked child runs: the broken factory does not stop it
+    assert fakelib.core.compute(3) == 7
+
+
+def test_a_strict_install_raises_when_a_shims_state_cannot_be_made(fake_stack):
+    from devmap_shims.shims.registry import ShimError
+
+    register_fake(state=lambda: {}["missing"])
+    with pytest.raises(ShimError, match="making its state"):
+        devmap_shims.install(only=["fake-fix"], strict=True)
+
+
 def test_a_method_repair_reads_positional_arguments_by_name(fake_stack):
     """The original a method's repair gets is bound: its signature has no ``self``, so reading
     ``device`` by name finds the first positional argument, not the second."""

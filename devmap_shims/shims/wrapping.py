@@ -284,15 +284,29 @@ def rebind_many(
             k = index[id(value)]
             if pairs[k][0] is not value:
                 continue
+            chain = []
             while True:
-                rebound[k].append((mod_name, key))
+                chain.append(k)
                 value = pairs[k][1]
                 later = index.get(id(value))
                 if later is None or later <= k or pairs[later][0] is not value:
                     break
                 k = later
-            namespace[key] = value
+            if not _assign(namespace, key, value):
+                continue
+            for k in chain:
+                rebound[k].append((mod_name, key))
     return rebound
+
+
+def _assign(namespace: Any, key: str, value: Any) -> bool:
+    """``namespace[key] = value``; False for a namespace that refuses it (the ``mappingproxy`` of a
+    class placed in ``sys.modules``), which keeps what it holds."""
+    try:
+        namespace[key] = value
+    except Exception:
+        return False
+    return True
 
 
 def unbind_layers(removed: Dict[int, Tuple[Any, Any]]) -> None:
@@ -312,4 +326,4 @@ def unbind_layers(removed: Dict[int, Tuple[Any, Any]]) -> None:
         for key, value in hits:
             while id(value) in removed and removed[id(value)][0] is value:
                 value = removed[id(value)][1]
-            namespace[key] = value
+            _assign(namespace, key, value)

@@ -720,6 +720,29 @@ def test_a_strict_install_raises_when_a_shims_state_cannot_be_made(fake_stack):
         devmap_shims.install(only=["fake-fix"], strict=True)
 
 
+@pytest.mark.parametrize("when", ["before install", "while installed"])
+def test_a_class_in_sys_modules_does_not_stop_install_or_uninstall(fake_stack, monkeypatch, when):
+    """A class placed in ``sys.modules`` (a settings object) has a read-only ``mappingproxy`` for a
+    namespace: its copy of the target stays as it is, and install() and uninstall() go on."""
+    import sys
+
+    import fakelib.core
+
+    register_fake()
+
+    def place():
+        monkeypatch.setitem(sys.modules, "acme_settings", type("Settings", (), {"compute": fakelib.core.compute}))
+
+    if when == "before install":
+        place()
+    assert devmap_shims.install(only=["fake-fix"])
+    assert fakelib.core.compute(3) == 7
+    if when == "while installed":
+        place()
+    assert devmap_shims.uninstall() and not devmap_shims.is_installed()
+    assert fakelib.core.compute(3) == 6
+
+
 def test_a_method_repair_reads_positional_arguments_by_name(fake_stack):
     """The original a method's repair gets is bound: its signature has no ``self``, so reading
     ``device`` by name finds the first positional argument, not the second."""

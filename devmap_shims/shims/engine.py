@@ -44,6 +44,7 @@ class Engine:
         self.registered_rows: List[Dict[str, Any]] = []
         self._selection: Dict[str, Any] = {}  # how install() selects, kept for the built-in shims
         self._builtins_loaded = False
+        self._generation = 0  # one more at each install and uninstall
 
     @property
     def lock(self) -> Any:
@@ -102,8 +103,15 @@ class Engine:
                 changes = self._changes_from_start_up(requested, load_plugins)
                 if not changes:
                     return True
-            builtin_ids = list(catalog.builtin_ids())
-            others, rows, problems = self._gather(load_plugins, builtin_ids, names)
+            generation = self._generation
+        # Plugins are the operator's code, loaded without our lock held: one that imports or only
+        # probes a target library (importlib.util.find_spec("torch")) fires the start-up install's
+        # trigger, which takes this lock while holding the interpreter's import lock.
+        builtin_ids = list(catalog.builtin_ids())
+        others, rows, problems = self._gather(load_plugins, builtin_ids, names)
+        with registry.lock:
+            if self._generation != generation:  # another thread installed or uninstalled meanwhile
+                return self.install(only, exclude, force, strict, plugins=plugins, auto=auto)
             known = builtin_ids + [s.id for s in others]
             id_problems = config.unknown_id_problems(settings, known, ignored=not strict_mode)
             id_problems += _id_problems(known, requested)
@@ -140,6 +148,7 @@ class Engine:
                 "plugins_loaded": (None if names is None or "*" in names else names) if load_plugins else (),
             }
             self.installed = True
+            self._generation += 1
             self.killed = False
             self._builtins_loaded = False
             try:
@@ -258,6 +267,7 @@ class Engine:
             importhook.cancel_before_first_import(self.load_builtins)
             arming.unwatch_and_unwrap(registry)
             self.installed = False
+            self._generation += 1
             registry.shims = {}  # drops every shim's context, and so its state
             self.options = {}
             self.imported_before_install = []

@@ -29,6 +29,11 @@ if MODE == "import-exit":
     raise SystemExit(3)
 if MODE == "import-interrupt":
     raise KeyboardInterrupt
+if MODE == "probe-torch":  # an availability check, as plugins make them
+    import importlib.util
+    HAVE_TORCH = importlib.util.find_spec("torch") is not None
+if MODE == "import-torch":
+    import torch
 
 
 def _forever():
@@ -552,6 +557,16 @@ def test_the_programs_install_loads_the_plugins_start_up_left_out(evil, tmp_path
                 EVIL_MARKER=str(marker))
     assert proc.returncode == 0 and proc.stdout.split() == ["BEFORE", "True", "AFTER", "True"], proc.stderr
     assert "replaces" not in proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["probe-torch", "import-torch"])
+def test_the_programs_install_after_start_up_loads_a_plugin_that_looks_for_a_target(evil, mode):
+    """A plugin that probes or imports torch fires the start-up install's trigger while the program's
+    install() loads it: that install must not wait for its own lock (it hung for good)."""
+    code = ("import devmap_shims; devmap_shims.install(); import torch; "
+            "st = devmap_shims.status(); print('ALIVE', st['installed'], st['warnings'])")
+    proc = evil(code, mode, timeout=30, DEVMAP_SHIMS="1")
+    assert proc.returncode == 0 and proc.stdout.startswith("ALIVE True []"), proc.stderr[-2000:]
 
 
 def test_a_named_plugin_not_on_the_path_at_start_up_is_said(evil):

@@ -76,8 +76,7 @@ def render(report: Dict[str, Any]) -> str:
     elif report["shims_armed"]:
         lines.append("devmap-shims leaves this map unchanged")
     else:
-        lines.append(wrap("devmap-shims: device-map shim not armed (--without-shims, "
-                          "or the bug does not apply here)"))
+        lines.append(wrap(f"devmap-shims: device-map shim not armed ({_why_not_armed(report)})"))
     return "\n".join(lines)
 
 
@@ -90,6 +89,13 @@ def _header(report: Dict[str, Any], what: str) -> List[str]:
         wrap(what),
         wrap(f"stack: {versions}"),
     ]
+
+
+def _why_not_armed(report: Dict[str, Any]) -> str:
+    off = report.get("shims_switched_off_by")
+    if off:
+        return f"{off} switches it off, as in a program run with it"
+    return "--without-shims, or the bug does not apply here"
 
 
 def _verdict_lines(report: Dict[str, Any], label: str = "verdict") -> List[str]:
@@ -138,8 +144,8 @@ def render_all(report: Dict[str, Any]) -> str:
             rows.append(_row(entry["strategy"], "without", entry))
     lines.append(table(rows, ["strategy", "shims", "verdict", "GPUs", "busiest GPU", "x bound", "CPU/disk"]))
     if not armed:
-        lines.append(wrap("devmap-shims: device-map shim not armed (--without-shims, or the bug does "
-                          "not apply here): each row is the library's own map"))
+        lines.append(wrap(f"devmap-shims: device-map shim not armed ({_why_not_armed(report)}): each "
+                          "row is the library's own map"))
     # the problems of the maps shown first, each set once with the strategies it concerns
     groups: Dict[Tuple[str, ...], List[Dict[str, Any]]] = {}
     for entry in report["strategies"]:

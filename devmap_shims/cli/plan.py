@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:
         raise UsageError(f"cannot build {data['model_type']} from {path}: {type(exc).__name__}: {one_line(exc)}") from None
 
-    armed = shim_armed() and not args.without_shims
+    armed, switched_off = shim_armed()
+    armed = armed and not args.without_shims
     strategies = STRATEGIES if args.device_map == "all" else (args.device_map,)
     shown = "with and without the shims" if armed else "the library's own map"
     say(f"planning device_map={args.device_map!r} for {_parameters(meta.parameters)} "
@@ -122,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
             layout, budgets = stack.layout_and_budgets(meta, strategy, max_memory)
             reports.append(_report(strategy, meta, layout, budgets, library_map, final_map, armed, gpus,
                                    max_memory, path, versions))
+            reports[-1]["shims_switched_off_by"] = switched_off or None
     except (MemoryError, RecursionError, ValueError, TypeError, KeyError) as exc:
         raise UsageError(f"the device-map step failed for {path}: {type(exc).__name__}: {one_line(exc)}") from None
     report = reports[0] if len(reports) == 1 else _combined(reports)
@@ -153,15 +155,23 @@ def _build_config(data: Dict[str, Any], path: Path) -> Any:
         raise UsageError(f"{path}: cannot build a {model_type} config: {type(exc).__name__}: {one_line(exc)}") from None
 
 
-def shim_armed() -> bool:
-    """Would ``devmap_shims.install()`` arm the device-map shim on the installed versions?"""
+def shim_armed() -> Tuple[bool, str]:
+    """Would ``devmap_shims.install()`` arm the device-map shim here, and if not because of a
+    switch in the environment, which one (``DEVMAP_SHIMS=0``, ``DEVMAP_SHIMS_DISABLE``)?"""
     from devmap_shims.compat_matrix import load_matrix
     from devmap_shims.hooks.accelerate.device_map_balance import SHIM
+    from devmap_shims.shims.config import read_settings
     from devmap_shims.versions import installed_versions
 
+    settings = read_settings()
+    off = settings.switched_off(SHIM.id)
+    if off:
+        return False, off
+    if SHIM.id in settings.force:
+        return True, ""
     matrix = load_matrix()
     versions = installed_versions(matrix.distributions())
-    return any(matrix.get(bug_id).applies(versions) for bug_id in SHIM.fixes)
+    return any(matrix.get(bug_id).applies(versions) for bug_id in SHIM.fixes), ""
 
 
 def _versions() -> Dict[str, Optional[str]]:
@@ -273,7 +283,7 @@ def _modules_per_device(device_map: Dict[str, Any]) -> Dict[str, List[str]]:
 
 #: What every strategy's report shares; the rest goes under "strategies".
 _SHARED = ("schema_version", "config", "model_type", "model_class", "parameters", "quantization", "dtype",
-           "gpus", "max_memory", "model_bytes", "shims_armed", "versions")
+           "gpus", "max_memory", "model_bytes", "shims_armed", "shims_switched_off_by", "versions")
 _JUDGED = ("device_map", "bytes_per_device", "verdict", "problems", "lower_bound", "balance_ratio",
            "best_split", "offloaded_bytes", "offload_unavoidable")
 

@@ -62,6 +62,15 @@ class Settings:
     def killed(self) -> bool:
         return self.enable is False
 
+    def switched_off(self, shim_id: str) -> str:
+        """The variable that keeps ``shim_id`` off whatever the versions ('' when none does): the
+        kill switch, or DEVMAP_SHIMS_DISABLE (which DEVMAP_SHIMS_FORCE does not override)."""
+        if self.killed:
+            return f"{ENV_ENABLE}=0"
+        if self.disable_all:
+            return f"{ENV_DISABLE}=*"
+        return f"{ENV_DISABLE}={shim_id}" if shim_id in self.disable else ""
+
     def as_dict(self) -> Dict[str, object]:
         return {
             "enable": self.enable,

@@ -139,6 +139,22 @@ def test_json_plan_for_gemma_7b_4bit_on_8_gpus(capsys, gemma_dir, stack_ready):
     assert report["balance_ratio"] <= 1.10
 
 
+@pytest.mark.parametrize(("name", "value"), [("DEVMAP_SHIMS", "0"), ("DEVMAP_SHIMS_DISABLE", "device-map-balance")])
+def test_a_switch_that_keeps_the_shim_off_gives_the_librarys_map(capsys, gemma_dir, stack_ready, monkeypatch,
+                                                                  name, value):
+    """plan shows what from_pretrained would do in this environment: with the kill switch or the
+    shim disabled, the library's own map, and why."""
+    argv = (str(gemma_dir), "--gpus", "8x23GiB", "--quantization", "4bit", "--cpu-memory", "180GiB", "--json")
+    _, library, _ = run(capsys, *argv, "--without-shims")
+    monkeypatch.setenv(name, value)
+    code, out, _ = run(capsys, *argv)
+    report = json.loads(out)
+    assert report["shims_armed"] == [] and report["shims_switched_off_by"] == f"{name}={value}"
+    assert report["device_map"] == json.loads(library)["device_map"]
+    code, out, _ = run(capsys, *argv[:-1], "-q")
+    assert f"device-map shim not armed ({name}={value} switches it off" in " ".join(out.split())
+
+
 def test_without_shims_shows_the_library_map(capsys, gemma_dir, stack_ready):
     code, out, _ = run(capsys, str(gemma_dir), "--gpus", "8x23GiB", "--quantization", "4bit",
                        "--cpu-memory", "180GiB", "--json", "--without-shims")

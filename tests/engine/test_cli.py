@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 
 from devmap_shims.cli import main
 
@@ -101,6 +102,36 @@ def test_explain_json_says_whether_it_applies(capsys):
     data = json.loads(out)
     assert code == 0 and isinstance(data["applies_here"], bool) and data["applicability"]
     assert data["schema_version"] == 1 and data["id"] == "balanced-memory-large-unquantized-embedding-collapse"
+
+
+@pytest.mark.parametrize(("env", "armed", "reason"), [
+    ({"DEVMAP_SHIMS": "0"}, False, "DEVMAP_SHIMS=0 switches it off"),
+    ({"DEVMAP_SHIMS_DISABLE": "quant-state-follows-weight"}, False,
+     "DEVMAP_SHIMS_DISABLE=quant-state-follows-weight switches it off"),
+    ({"DEVMAP_SHIMS_DISABLE": "*", "DEVMAP_SHIMS_FORCE": "quant-state-follows-weight"}, False,
+     "DEVMAP_SHIMS_DISABLE=* switches it off"),
+])
+def test_explain_says_a_switch_keeps_a_shim_off(capsys, monkeypatch, env, armed, reason):
+    """What install() would do in this environment: the kill switch and DEVMAP_SHIMS_DISABLE keep a
+    shim off whatever the versions, and beat DEVMAP_SHIMS_FORCE."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, out, _ = run_cli(capsys, "explain", "--json", "quant-state-follows-weight")
+    data = json.loads(out)
+    assert code == 0 and (data["armed_here"], data["armed_reason"]) == (armed, reason)
+    code, out, _ = run_cli(capsys, "explain", "quant-state-follows-weight")
+    assert f"armed here:  no ({reason})" in " ".join(out.split()).replace("armed here: no", "armed here:  no")
+
+
+def test_explain_does_not_offer_to_force_a_shim_whose_targets_are_for_other_versions(capsys, monkeypatch):
+    from devmap_shims.versions import installed_version
+
+    if (installed_version("transformers") or "").startswith(("4.45.", "4.46.")):
+        pytest.skip("its targets are for this transformers")
+    code, out, _ = run_cli(capsys, "explain", "--json", "vlm-inputs-follow-embeddings")
+    data = json.loads(out)
+    assert data["armed_here"] is False and data["armed_reason"].startswith("its targets are for other versions: ")
+    assert "FORCE" not in data["armed_reason"]
 
 
 def test_doctor_json(capsys):

@@ -108,11 +108,14 @@ def collect(
 
 def _replay_row(bug_id: str, item: Any, affected: bool, why: str, shim: Optional[str]) -> Dict[str, Any]:
     from devmap_shims.scenarios.replay import replay
+    from devmap_shims.shims.config import read_settings
 
+    off = read_settings().switched_off(shim) if shim else ""  # install() would not arm it here
     with captured():
         without = replay(item, shims=False)
-        with_shims = replay(item, shims=True, shim_id=shim) if shim and not without.unavailable else None
+        with_shims = replay(item, shims=True, shim_id=shim) if shim and not off and not without.unavailable else None
     return {
+        "switched_off_by": off or None,
         "bug_id": bug_id,
         "scenario": item.name,
         "title": item.title,
@@ -175,7 +178,10 @@ def bug_entry(
     else:
         replayed = "unavailable"
     not_replayed_because = None
-    if status == "shim-not-replayed":
+    off = next((r["switched_off_by"] for r in replays if r.get("switched_off_by")), None)
+    if status == "shim-not-replayed" and off:
+        not_replayed_because = f"{off} switches the shim off"
+    elif status == "shim-not-replayed":
         not_replayed_because = (
             "; ".join(r["without_shims"]["detail"] for r in replays) if replays
             else _first_sentence(row.no_scenario) or "no scenario yet"

@@ -17,6 +17,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import devmap_shims
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,3 +138,18 @@ def test_install_arms_it_where_its_row_applies_and_demo_and_explain_know_it(tmp_
     explain = run(env, "-m", "devmap_shims", "explain", "tiny-fix", cwd=tmp_path / "demo")
     assert "devmap_shims.hooks.tinylib.tiny_fix" in explain.stdout
     assert "tinylib-compute-off-by-one: tinylib >=1.0,<2.0; fixed in tinylib 2.0.0" in explain.stdout
+
+
+@pytest.mark.parametrize(("name", "value"), [("DEVMAP_SHIMS_DISABLE", "tiny-fix"), ("DEVMAP_SHIMS", "0")])
+def test_demo_says_a_switch_keeps_the_shim_off_and_is_no_problem(tmp_path, name, value):
+    """A shim the operator switched off is not replayed, and that is no failed fix (exit 0)."""
+    env = {**make_world(tmp_path), name: value}
+    demo = run(env, "-m", "devmap_shims", "demo", "tinylib-compute-off-by-one", "--json", cwd=tmp_path)
+    assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
+    report = json.loads(demo.stdout)
+    (bug,) = report["bugs"]
+    assert bug["status"] == "shim-not-replayed" and report["summary"]["problems"] == 0
+    assert bug["not_replayed_because"] == f"{name}={value} switches the shim off"
+    (row,) = report["rows"]
+    assert row["with_shims"] is None and row["switched_off_by"] == f"{name}={value}"
+

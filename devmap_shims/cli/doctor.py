@@ -100,10 +100,12 @@ def run(args: argparse.Namespace) -> int:
     # the installed shims first (a plugin's included), then the built-in ones, which the registry
     # lacks when the kill switch is on: a row's shim is the same whatever switches are set
     installed = (e.shim for e in ENGINE.registry.shims.values())
-    shim_of = shim_of_rows(itertools.chain(installed, builtin_shims()[0]))
+    builtins, broken = builtin_shims()
+    shim_of = shim_of_rows(itertools.chain(installed, builtins))
     versions = data["versions"]
     applicable = [r for r in matrix.rows if r.applies(versions)]
     data["applicable_rows"] = [row_to_dict(r, shim_of.get(r.id)) for r in applicable]
+    data["broken_shims"] = broken  # built-in shim modules that fail to import: exit 1, as demo
     data["auto_enable"] = _auto_enable_info()
     data["devices"] = devices
     data["module_versions"] = {
@@ -113,9 +115,9 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.json:
         print_json(data)
-        return EXIT_OK
-    print("\n".join(verbose_report(data) if args.verbose else report(data)))
-    return EXIT_OK
+    else:
+        print("\n".join(verbose_report(data) if args.verbose else report(data)))
+    return 1 if broken else EXIT_OK
 
 
 #: The most lines ``doctor`` prints without ``--verbose``, whatever the stack and the shims.
@@ -197,8 +199,10 @@ def report(data: Dict[str, Any], max_lines: int = MAX_LINES) -> List[str]:
     tail += ["", "Each shim's targets: --verbose. Tensors on the wrong device in your model or pipeline:",
              "  devmap_shims.check_devices(model_or_pipe)"]
     killed = f" ({KILLED})" if data.get("killed") else ""
-    head = ["", f"Shims ({len(shims)}): {counts['active']} active, {counts['pending']} pending, "
-                f"{counts['failed']} failed, {counts['skipped']} off{killed}"]
+    broken = data.get("broken_shims") or ()
+    modules = f"; {len(broken)} shim module{'s' if len(broken) != 1 else ''} failed to import" if broken else ""
+    head = [""] + wrap(f"Shims ({len(shims)}): {counts['active']} active, {counts['pending']} pending, "
+                       f"{counts['failed']} failed, {counts['skipped']} off{killed}{modules}", WIDTH, hang="  ")
     room = max_lines - len(lines) - len(tail) - len(head)
     lines += head + shim_lines(shims, WIDTH, room=room, more="(--verbose lists them)")
     return lines + tail

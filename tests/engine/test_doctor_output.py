@@ -157,6 +157,25 @@ def test_doctor_engine_only_fits(tmp_path):
     assert "torch not importable" in proc.stdout
 
 
+def test_a_shim_module_that_fails_to_import_is_counted_and_doctor_exits_1():
+    """As demo: a built-in shim module that cannot be imported is in the header and --json, exit 1."""
+    module = "devmap_shims.hooks.accelerate.hooks_follow_moved_weights"
+    code = (f"import sys; sys.modules[{module!r}] = None  # import of it now raises ImportError\n"
+            "from devmap_shims.cli import main; sys.exit(main(sys.argv[1:]))")
+    for args in (["--json"], []):
+        proc = subprocess.run([sys.executable, "-c", code, "doctor", "--no-import", "--no-devices", *args],
+                              capture_output=True, text=True, env=env(), timeout=300)
+        assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+        if args:
+            (message,) = json.loads(proc.stdout)["broken_shims"]
+            assert message.startswith(f"built-in shim module {module} failed to import: ")
+        else:
+            lines = proc.stdout.splitlines()
+            fits(lines, MAX_LINES)
+            assert any(line.startswith("Shims (") for line in lines)
+            assert "; 1 shim module failed to import" in " ".join(proc.stdout.split())
+
+
 def test_status_is_a_dict_whose_str_is_a_short_summary():
     status = devmap_shims.status()
     assert isinstance(status, dict) and isinstance(status, Status)

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"replay the scenarios of rows that do not apply too, all of them (by default: while "
              f"the first {REPLAY_BUDGET_S:.0f} s last)",
     )
-    parser.add_argument("ids", nargs="*", metavar="ID", help="only these matrix rows (replayed whether they apply or not)")
+    parser.add_argument("ids", nargs="*", metavar="ID", help="only these matrix rows (replayed whether they apply or not); a shim id: the rows it fixes")
 
 
 # -- replaying ----------------------------------------------------------------------------------
@@ -75,8 +75,16 @@ def collect(
     shim_of = shim_of_rows(shims)
     summary_of = {shim.id: shim.summary for shim in shims}
     versions = installed_versions(sorted(set(matrix.distributions()) | set(TARGET_DISTRIBUTIONS)))
-    for bug_id in ids:
-        matrix.get(bug_id)  # KeyError with suggestions for a typo
+    rows_of: Dict[str, List[str]] = {}  # a shim id asks for the rows it fixes
+    for bug_id, shim_id in shim_of.items():
+        rows_of.setdefault(shim_id, []).append(bug_id)
+    asked: List[str] = []
+    for name in ids:
+        if name in rows_of and name not in matrix:
+            asked += rows_of[name]
+        else:
+            asked.append(matrix.get(name).id)  # KeyError with suggestions for a typo
+    ids = asked
     chosen = [row for row in matrix.rows if not ids or row.id in ids]
     applies = {row.id: row.applicability(versions) for row in chosen}
     order = [r for r in chosen if applies[r.id][0]] + [r for r in chosen if not applies[r.id][0]]

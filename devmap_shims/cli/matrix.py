@@ -132,10 +132,13 @@ def run_explain(args: argparse.Namespace) -> int:
         return _explain_shim(by_id[args.id], matrix, args.json)
     try:
         row = matrix.get(args.id)
-    except KeyError as exc:
-        close = [s for s in by_id if args.id in s or s in args.id]
-        hint = f" (shims: {', '.join(sorted(by_id))})" if not close else f"; or the shim {close[0]!r}?"
-        raise UsageError(str(exc).strip("'\"") + hint) from None
+    except KeyError:
+        import difflib
+
+        close = difflib.get_close_matches(args.id, [r.id for r in matrix.rows] + list(by_id), n=3, cutoff=0.5)
+        hint = (f"did you mean {', '.join(repr(c) for c in close)}?" if close else
+                "`devmap-shims matrix` lists the bugs, `devmap-shims doctor --verbose` the shims")
+        raise UsageError(f"no bug or shim {args.id!r}; {hint}") from None
     return _explain_row(row, shim_of_rows(shims).get(row.id), args.json)
 
 

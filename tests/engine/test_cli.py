@@ -52,6 +52,9 @@ def test_explain_known_and_unknown(capsys):
     assert "upgrade (bitsandbytes>=0.45.3) to drop this shim" in out
     code, _, err = run_cli(capsys, "explain", "bnb-quantstate")
     assert code == 2 and "did you mean 'bnb-quantstate-code-not-moved'" in err
+    # bug ids and shim ids are one list to suggest from: a mistyped shim id gets that shim first
+    code, _, err = run_cli(capsys, "explain", "int8-state-follow-weight")
+    assert code == 2 and "no bug or shim 'int8-state-follow-weight'; did you mean 'int8-state-follows-weight'" in err
 
 
 def test_explain_a_shim_shows_its_module_targets_and_the_range_of_each_row(capsys):

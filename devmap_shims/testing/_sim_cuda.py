@@ -23,6 +23,7 @@ from ._sim_streams import (
     SimulatedStreamContext,
     clear_streams,
     current_stream,
+    default_stream,
     set_stream,
     stream,
 )
@@ -263,7 +264,7 @@ def cuda_namespace() -> Dict[str, Any]:
         "Stream": SimulatedStream,
         "Event": SimulatedEvent,
         "current_stream": current_stream,
-        "default_stream": current_stream,
+        "default_stream": default_stream,
         "stream": stream,
         "set_stream": set_stream,
         "StreamContext": SimulatedStreamContext,

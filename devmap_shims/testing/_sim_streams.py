@@ -102,25 +102,60 @@ class SimulatedEvent(*_EVENT_BASES):  # type: ignore[misc]
         return "<torch.cuda.Event (simulated)>"
 
 
-_STREAMS: Dict[int, SimulatedStream] = {}
+_DEFAULT: Dict[int, SimulatedStream] = {}  # each GPU's default stream
+_CURRENT: Dict[int, SimulatedStream] = {}  # each GPU's current stream, where one was set
+
+
+def default_stream(device: Any = None) -> SimulatedStream:
+    idx = index_of(device)
+    s = _DEFAULT.get(idx)
+    if s is None:
+        s = _DEFAULT[idx] = SimulatedStream(idx)
+    return s
 
 
 def current_stream(device: Any = None) -> SimulatedStream:
     idx = index_of(device)
-    s = _STREAMS.get(idx)
-    if s is None:
-        s = _STREAMS[idx] = SimulatedStream(idx)
-    return s
+    s = _CURRENT.get(idx)
+    return default_stream(idx) if s is None else s
+
+
+def set_stream(stream: Any) -> None:
+    """As ``torch.cuda.set_stream``: the stream's GPU becomes the current device, and the stream
+    that GPU's current stream."""
+    if stream is None:
+        return
+    from . import _sim_state as S
+
+    S.MACHINE._set_current(stream.device_index)
+    _CURRENT[stream.device_index] = stream
 
 
 class SimulatedStreamContext:
+    """As ``torch.cuda.StreamContext``: on entry the stream's GPU and the stream become current, on
+    exit the device and the streams that were current come back."""
+
     def __init__(self, stream: Any) -> None:
         self.stream = stream
+        self._previous: Any = None
 
     def __enter__(self) -> Any:
-        return self.stream
+        target = self.stream
+        if target is None:
+            return target
+        source = current_stream()
+        elsewhere = current_stream(target.device_index) if source.device_index != target.device_index else None
+        self._previous = (source, elsewhere)
+        set_stream(target)
+        return target
 
     def __exit__(self, *exc: Any) -> None:
+        if self.stream is None or self._previous is None:
+            return None
+        source, elsewhere = self._previous
+        if elsewhere is not None:
+            set_stream(elsewhere)
+        set_stream(source)
         return None
 
 
@@ -128,9 +163,6 @@ def stream(stream: Any) -> SimulatedStreamContext:
     return SimulatedStreamContext(stream)
 
 
-def set_stream(stream: Any) -> None:
-    pass
-
-
 def clear_streams() -> None:
-    _STREAMS.clear()
+    _DEFAULT.clear()
+    _CURRENT.clear()

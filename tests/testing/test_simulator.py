@@ -356,6 +356,22 @@ def test_worker_threads_run_in_the_simulation():
 
 
 
+def test_a_stream_context_makes_its_gpu_and_stream_current_and_restores_them():
+    """As torch.cuda.StreamContext and set_stream: a stream on cuda:1 entered from cuda:0 makes
+    cuda:1 the current device (new "cuda" tensors land there) and itself the current stream."""
+    with simulated_gpus(2):
+        s1 = torch.cuda.Stream(device=1)
+        assert torch.cuda.current_stream(1) is torch.cuda.default_stream(1) and torch.cuda.current_stream(1) != s1
+        with torch.cuda.stream(s1):
+            assert torch.cuda.current_device() == 1 and torch.cuda.current_stream() == s1
+            assert torch.empty(1, device="cuda").device.index == 1
+        assert torch.cuda.current_device() == 0 and torch.cuda.current_stream(1) == torch.cuda.default_stream(1)
+        torch.cuda.set_stream(s1)
+        assert torch.cuda.current_device() == 1 and torch.cuda.current_stream(1) == s1
+        with torch.cuda.stream(None):  # no stream: nothing changes
+            assert torch.cuda.current_device() == 1
+
+
 def test_the_current_device_is_per_thread():
     """cudaSetDevice sets the device of the calling thread; a new thread starts on device 0."""
     with simulated_gpus(2):

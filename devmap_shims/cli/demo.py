@@ -43,7 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"replay the scenarios of rows that do not apply too, all of them (by default: while "
              f"the first {REPLAY_BUDGET_S:.0f} s last)",
     )
-    parser.add_argument("ids", nargs="*", metavar="ID", help="only these matrix rows (replayed whether they apply or not); a shim id: the rows it fixes")
+    parser.add_argument("ids", nargs="*", metavar="ID",
+                        help="only these matrix rows (replayed whether they apply or not); "
+                        "a shim id: the rows it fixes")
 
 
 # -- replaying ----------------------------------------------------------------------------------
@@ -121,7 +123,8 @@ def _replay_row(bug_id: str, item: Any, affected: bool, why: str, shim: Optional
     off = read_settings().switched_off(shim) if shim else ""  # install() would not arm it here
     with captured():
         without = replay(item, shims=False)
-        with_shims = replay(item, shims=True, shim_id=shim) if shim and not off and not without.unavailable else None
+        replayed = shim and not off and not without.unavailable
+        with_shims = replay(item, shims=True, shim_id=shim) if replayed else None
     return {
         "switched_off_by": off or None,
         "bug_id": bug_id,

@@ -200,9 +200,11 @@ def report(data: Dict[str, Any], max_lines: int = MAX_LINES) -> List[str]:
              "  devmap_shims.check_devices(model_or_pipe)"]
     killed = f" ({KILLED})" if data.get("killed") else ""
     broken = data.get("broken_shims") or ()
-    modules = f"; {len(broken)} shim module{'s' if len(broken) != 1 else ''} failed to import" if broken else ""
-    head = [""] + wrap(f"Shims ({len(shims)}): {counts['active']} active, {counts['pending']} pending, "
-                       f"{counts['failed']} failed, {counts['skipped']} off{killed}{modules}", WIDTH, hang="  ")
+    plural = "s" if len(broken) != 1 else ""
+    modules = f"; {len(broken)} shim module{plural} failed to import" if broken else ""
+    counted = (f"Shims ({len(shims)}): {counts['active']} active, {counts['pending']} pending, "
+               f"{counts['failed']} failed, {counts['skipped']} off{killed}{modules}")
+    head = [""] + wrap(counted, WIDTH, hang="  ")
     room = max_lines - len(lines) - len(tail) - len(head)
     lines += head + shim_lines(shims, WIDTH, room=room, more="(--verbose lists them)")
     return lines + tail

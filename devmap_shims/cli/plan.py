@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-memory", metavar="CAPS",
                         help="per-device max_memory as the user would pass it, e.g. 0=10GiB,3=20GiB,cpu=100GiB")
     parser.add_argument("--quantization", choices=("4bit", "8bit", "none"),
-                        help="bitsandbytes quantization (default: the config's own bitsandbytes settings, else "
-                        "none; a config quantized another way is refused)")
+                        help="bitsandbytes quantization (default: the config's own bitsandbytes "
+                        "settings, else none; a config quantized another way is refused)")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the unquantized weights (default bfloat16)")
     parser.add_argument("--device-map", default="auto", choices=STRATEGIES + ("all",),
                         help="the device_map strategy passed to from_pretrained (default auto); "

@@ -158,14 +158,16 @@ class Registry:
         except Exception as exc:
             broken = f"{type(exc).__name__}: {exc}"
             if self.strict:
-                raise ShimError(f"shim {shim.id!r}: making its state (Shim(state=...)) raised {broken}") from exc
+                raise ShimError(
+                    f"shim {shim.id!r}: making its state (Shim(state=...)) raised {broken}") from exc
             context = ShimContext(shim, self, make_state=False)
         entry = ShimEntry(shim, context)
         entry.selected, entry.why_not_selected, entry.forced = selected, why_not, forced
         for target in shim.targets:
             target_entry = TargetEntry(entry, target)
             if broken and selected:
-                target_entry.state, target_entry.reason, target_entry.error = FAILED, "its state could not be made", broken
+                target_entry.state, target_entry.error = FAILED, broken
+                target_entry.reason = "its state could not be made"
             elif not selected:
                 target_entry.state, target_entry.reason = SKIPPED, why_not
             entry.targets.append(target_entry)

@@ -144,7 +144,8 @@ class SimulatedStreamContext:
         if target is None:
             return target
         source = current_stream()
-        elsewhere = current_stream(target.device_index) if source.device_index != target.device_index else None
+        moved = source.device_index != target.device_index
+        elsewhere = current_stream(target.device_index) if moved else None
         self._previous = (source, elsewhere)
         set_stream(target)
         return target

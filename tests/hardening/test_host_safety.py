@@ -7,13 +7,11 @@ misbehaves on purpose, and checks that the process finishes, exits 0 and keeps i
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 

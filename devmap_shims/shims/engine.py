@@ -108,10 +108,13 @@ class Engine:
         # probes a target library (importlib.util.find_spec("torch")) fires the start-up install's
         # trigger, which takes this lock while holding the interpreter's import lock.
         builtin_ids = list(catalog.builtin_ids())
-        others, rows, problems = self._gather(load_plugins, builtin_ids, names)
-        with registry.lock:
-            if self._generation != generation:  # another thread installed or uninstalled meanwhile
-                return self.install(only, exclude, force, strict, plugins=plugins, auto=auto)
+        others, rows, problems = self._plugins(load_plugins, builtin_ids, names)
+        registry.lock.acquire()
+        if self._generation != generation:  # another install, uninstall or reset meanwhile: decide again
+            registry.lock.release()
+            return self.install(only, exclude, force, strict, plugins=plugins, auto=auto)
+        try:
+            others, rows = self._with_registered(builtin_ids, others, rows)
             known = builtin_ids + [s.id for s in others]
             id_problems = config.unknown_id_problems(settings, known, ignored=not strict_mode)
             id_problems += _id_problems(known, requested)
@@ -163,6 +166,8 @@ class Engine:
                 self.uninstall()
                 raise
             self.imported_before_install = self._imported_targets()
+        finally:
+            registry.lock.release()
         return True
 
     def _changes_from_start_up(self, requested: Dict[str, Any], load_plugins: bool) -> List[str]:
@@ -225,23 +230,26 @@ class Engine:
         modules = sorted({t.target.module for t in self.registry.target_entries()})
         return [m for m in modules if m in sys.modules]
 
-    def _gather(
+    def _plugins(
         self, use_plugins: bool, builtin_ids: List[str], names: Optional[Tuple[str, ...]] = None
     ) -> Tuple[List[Shim], List[Dict[str, Any]], List[str]]:
-        """The shims that are not built in (plugins' from the distributions in ``names``, None: all;
-        registered ones) and every extra matrix row."""
-        shims: List[Shim] = []
-        rows: List[Dict[str, Any]] = []
-        problems: List[str] = []
-        if use_plugins:
-            from devmap_shims.shims import plugins
+        """The plugins' shims and matrix rows (from the distributions in ``names``, None: all), and
+        the problems met loading them."""
+        if not use_plugins:
+            return [], [], []
+        from devmap_shims.shims import plugins
 
-            rows, shims, problems = plugins.load_all(builtin_ids, names)
-            problems += plugins.missing(names)
-        rows = rows + [dict(r) for r in self.registered_rows]
+        rows, shims, problems = plugins.load_all(builtin_ids, names)
+        return shims, rows, problems + plugins.missing(names)
+
+    def _with_registered(
+        self, builtin_ids: List[str], shims: List[Shim], rows: List[Dict[str, Any]]
+    ) -> Tuple[List[Shim], List[Dict[str, Any]]]:
+        """``shims`` and ``rows`` with the registered ones added (read under the registry lock: a
+        ``register()`` while the plugins loaded counts)."""
         known = set(builtin_ids) | {s.id for s in shims}
-        shims.extend(s for s in self.registered if s.id not in known)
-        return shims, rows, problems
+        return (shims + [s for s in self.registered if s.id not in known],
+                rows + [dict(r) for r in self.registered_rows])
 
     def _add(self, shim: Shim) -> None:
         """A registry entry for ``shim``, selected as install() was asked to."""
@@ -303,6 +311,7 @@ class Engine:
             self.registered_rows.clear()
             self.registry = Registry()
             self.killed = False
+            self._generation += 1
 
     def status(self) -> Dict[str, Any]:
         """See :func:`devmap_shims.status`."""

@@ -743,6 +743,51 @@ def test_a_class_in_sys_modules_does_not_stop_install_or_uninstall(fake_stack, m
     assert fakelib.core.compute(3) == 6
 
 
+def test_a_shim_registered_while_install_loads_plugins_is_installed(fake_stack, monkeypatch):
+    """Plugins load without the registry lock held; a register() from another thread meanwhile
+    is part of that install, as it was while install() held the lock throughout."""
+    import threading
+
+    from devmap_shims.shims.engine import Engine
+
+    load_plugins = Engine._plugins
+    others = []
+
+    def plugins_while_another_thread_registers(self, *args, **kwargs):
+        if not others:
+            others.append(threading.Thread(target=register_fake))
+            others[0].start()
+            others[0].join()
+        return load_plugins(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "_plugins", plugins_while_another_thread_registers)
+    assert devmap_shims.install()
+    import fakelib.core
+
+    assert fakelib.core.compute(3) == 7 and shim_status()["state"] == "active"
+
+
+def test_install_decides_again_without_its_lock_when_another_thread_installed_meanwhile(fake_stack, monkeypatch):
+    import threading
+
+    from devmap_shims.shims.engine import ENGINE, Engine
+
+    load_plugins = Engine._plugins
+    held = []
+
+    def plugins_while_another_thread_installs(self, *args, **kwargs):
+        held.append(self.registry.lock._is_owned())
+        if len(held) == 1:
+            other = threading.Thread(target=lambda: (devmap_shims.install(), devmap_shims.uninstall()))
+            other.start()
+            other.join()
+        return load_plugins(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "_plugins", plugins_while_another_thread_installs)
+    assert devmap_shims.install() and ENGINE.installed
+    assert held == [False, False, False]  # the first call, the other thread's, the retry
+
+
 def test_a_method_repair_reads_positional_arguments_by_name(fake_stack):
     """The original a method's repair gets is bound: its signature has no ``self``, so reading
     ``device`` by name finds the first positional argument, not the second."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any, Dict, Tuple
 
 import torch
@@ -103,7 +104,25 @@ class SimulatedEvent(*_EVENT_BASES):  # type: ignore[misc]
 
 
 _DEFAULT: Dict[int, SimulatedStream] = {}  # each GPU's default stream
-_CURRENT: Dict[int, SimulatedStream] = {}  # each GPU's current stream, where one was set
+
+
+class _PerThread(threading.local):
+    """Each GPU's current stream where one was set, per thread as in CUDA; ``epoch`` tells a
+    thread's streams from an earlier simulation's (:func:`clear_streams`)."""
+
+    epoch = -1
+    streams: Dict[int, SimulatedStream] = {}
+
+
+_PER_THREAD = _PerThread()
+_EPOCH = [0]
+
+
+def _current() -> Dict[int, SimulatedStream]:
+    local = _PER_THREAD
+    if local.epoch != _EPOCH[0]:
+        local.epoch, local.streams = _EPOCH[0], {}
+    return local.streams
 
 
 def default_stream(device: Any = None) -> SimulatedStream:
@@ -116,7 +135,7 @@ def default_stream(device: Any = None) -> SimulatedStream:
 
 def current_stream(device: Any = None) -> SimulatedStream:
     idx = index_of(device)
-    s = _CURRENT.get(idx)
+    s = _current().get(idx)
     return default_stream(idx) if s is None else s
 
 
@@ -128,7 +147,7 @@ def set_stream(stream: Any) -> None:
     from . import _sim_state as S
 
     S.MACHINE._set_current(stream.device_index)
-    _CURRENT[stream.device_index] = stream
+    _current()[stream.device_index] = stream
 
 
 class SimulatedStreamContext:
@@ -166,4 +185,4 @@ def stream(stream: Any) -> SimulatedStreamContext:
 
 def clear_streams() -> None:
     _DEFAULT.clear()
-    _CURRENT.clear()
+    _EPOCH[0] += 1

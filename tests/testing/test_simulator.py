@@ -370,6 +370,19 @@ def test_a_stream_context_makes_its_gpu_and_stream_current_and_restores_them():
         assert torch.cuda.current_device() == 1 and torch.cuda.current_stream(1) == s1
         with torch.cuda.stream(None):  # no stream: nothing changes
             assert torch.cuda.current_device() == 1
+        torch.cuda.set_stream(torch.cuda.default_stream(0))
+
+        def worker():  # the current stream is per thread too: another thread's is its own
+            with torch.cuda.stream(s1):
+                return torch.cuda.current_stream(1) == s1
+
+        torch.cuda.set_stream(torch.cuda.default_stream(1))
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(worker).result()
+        assert torch.cuda.current_stream(1) == torch.cuda.default_stream(1)
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(torch.cuda.set_stream, s1).result()  # left set in that thread
+        assert torch.cuda.current_stream(1) == torch.cuda.default_stream(1)
 
 
 def test_the_current_device_is_per_thread():

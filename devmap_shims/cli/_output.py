@@ -94,3 +94,15 @@ def _records(cells: List[List[str]], headers: List[str], width: int) -> str:
 def one_line(exc: BaseException, width: int = 300) -> str:
     """``exc``'s message on one line, cut at ``width`` characters."""
     return " ".join(str(exc).split())[:width]
+
+
+def no_such_id(name: str, ids: List[str]) -> str:
+    """The message for ``name`` naming no bug or shim, with the closest of ``ids`` (bug and shim ids
+    together: a mistyped shim id gets that shim)."""
+    import difflib
+
+    close = difflib.get_close_matches(name, ids, n=3, cutoff=0.5)
+    hint = (f"did you mean {', '.join(repr(c) for c in close)}?" if close else
+            "`devmap-shims matrix` lists the bugs, `devmap-shims doctor --verbose` the shims")
+    return f"no bug or shim {name!r}; {hint}"
+

@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from devmap_shims._text import wrap as text_wrap
-from devmap_shims.cli._output import UsageError, print_json
+from devmap_shims.cli._output import UsageError, no_such_id, print_json
 from devmap_shims.cli._quiet import captured, quiet_libraries
 from devmap_shims.compat_matrix.not_affected import not_affected_reason
 
@@ -84,8 +84,10 @@ def collect(
     for name in ids:
         if name in rows_of and name not in matrix:
             asked += rows_of[name]
+        elif name in matrix:
+            asked.append(name)
         else:
-            asked.append(matrix.get(name).id)  # KeyError with suggestions for a typo
+            raise UsageError(no_such_id(name, [r.id for r in matrix.rows] + list(rows_of)))
     ids = asked
     chosen = [row for row in matrix.rows if not ids or row.id in ids]
     applies = {row.id: row.applicability(versions) for row in chosen}
@@ -389,8 +391,6 @@ def run(args: argparse.Namespace) -> int:
     show, done = _progress_printer(sys.stderr)  # stderr: --json keeps stdout for the JSON alone
     try:
         bugs, rows, versions, broken = collect(list(args.ids), args.all, show, start=started)
-    except KeyError as exc:
-        raise UsageError(str(exc).strip("'\"")) from None
     finally:
         done()
     summary = summarize(bugs, broken)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from devmap_shims.cli._output import EXIT_OK, WIDTH, UsageError, fit, print_json, wrap
+from devmap_shims.cli._output import EXIT_OK, WIDTH, UsageError, fit, no_such_id, print_json, wrap
 
 #: ``schema_version`` of ``matrix --json`` and ``explain ID --json``
 SCHEMA_VERSION = 1
@@ -133,12 +133,7 @@ def run_explain(args: argparse.Namespace) -> int:
     try:
         row = matrix.get(args.id)
     except KeyError:
-        import difflib
-
-        close = difflib.get_close_matches(args.id, [r.id for r in matrix.rows] + list(by_id), n=3, cutoff=0.5)
-        hint = (f"did you mean {', '.join(repr(c) for c in close)}?" if close else
-                "`devmap-shims matrix` lists the bugs, `devmap-shims doctor --verbose` the shims")
-        raise UsageError(f"no bug or shim {args.id!r}; {hint}") from None
+        raise UsageError(no_such_id(args.id, [r.id for r in matrix.rows] + list(by_id))) from None
     return _explain_row(row, shim_of_rows(shims).get(row.id), args.json)
 
 

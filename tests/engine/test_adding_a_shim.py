@@ -137,6 +137,8 @@ def test_install_arms_it_where_its_row_applies_and_demo_and_explain_know_it(tmp_
     assert row["without_shims"]["detail"] == "BugObserved: compute(3) gave 6"
     by_shim = run(env, "-m", "devmap_shims", "demo", "tiny-fix", "--json", cwd=tmp_path / "demo")
     assert [r["bug_id"] for r in json.loads(by_shim.stdout)["rows"]] == ["tinylib-compute-off-by-one"]  # its rows
+    typo = run(env, "-m", "devmap_shims", "demo", "tiny-fxi", cwd=tmp_path / "demo")
+    assert typo.returncode == 2 and "no bug or shim 'tiny-fxi'; did you mean 'tiny-fix'" in typo.stderr
     explain = run(env, "-m", "devmap_shims", "explain", "tiny-fix", cwd=tmp_path / "demo")
     assert "devmap_shims.hooks.tinylib.tiny_fix" in explain.stdout
     assert "tinylib-compute-off-by-one: tinylib >=1.0,<2.0; fixed in tinylib 2.0.0" in explain.stdout

@@ -304,11 +304,11 @@ def assess(
         if best is None:
             best = _best_split(_on_gpus(layout, unit_devices, loads), room, active, gpus)
         imbalanced = best is None or max_load > best
-    if imbalanced and not collapsed:
-        problems.append(
-            f"busiest GPU holds {format_bytes(max_load)}, {max_load / bound:.2f}x the lower bound "
-            f"{format_bytes(bound)}"
-        )
+        if imbalanced:
+            problems.append(
+                f"busiest GPU holds {format_bytes(max_load)}, {max_load / bound:.2f}x the lower bound "
+                f"{format_bytes(bound)}"
+            )
 
     if collapsed:
         verdict = COLLAPSED

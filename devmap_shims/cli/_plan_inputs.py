@@ -129,15 +129,15 @@ def parse_caps(text: Optional[str]) -> Dict[Any, int]:
         if not sep or not key:
             raise TopologyError(f"cannot read max_memory entry {part!r} (write e.g. 0=10GiB or cpu=100GiB)")
         if key.isascii() and key.isdigit():  # "²" is a digit to isdigit(), not to int()
-            caps[int(key)] = _size_of(f"--max-memory {part.strip()}", value)
+            caps[int(key)] = size_of(f"--max-memory {part.strip()}", value)
         elif key in ("cpu", "disk"):
-            caps[key] = _size_of(f"--max-memory {part.strip()}", value)
+            caps[key] = size_of(f"--max-memory {part.strip()}", value)
         else:
             raise TopologyError(f"unknown device {key!r} in --max-memory (use GPU numbers, cpu or disk)")
     return caps
 
 
-def _size_of(option: str, value: str) -> int:
+def size_of(option: str, value: str) -> int:
     """``parse_size(value)``, its error naming the option it came from."""
     try:
         return parse_size(value)

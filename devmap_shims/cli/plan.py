@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from devmap_shims.cli._output import EXIT_OK, EXIT_PROBLEM, UsageError, one_line, print_json
 from devmap_shims.cli._plan_inputs import (
-    _size_of, build_max_memory, default_cpu_memory, parse_caps, quantization_of, read_config_dict,
+    build_max_memory, default_cpu_memory, parse_caps, quantization_of, read_config_dict, size_of,
 )
 from devmap_shims.cli._plan_text import describe_gpus, render, render_all, wrap
 from devmap_shims.planning.sizes import TopologyError, parse_gpus
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     say = Progress(getattr(args, "quiet", False))
     try:
         gpus = parse_gpus(args.gpus)
-        cpu = _size_of("--cpu-memory", args.cpu_memory) if args.cpu_memory else default_cpu_memory()
+        cpu = size_of("--cpu-memory", args.cpu_memory) if args.cpu_memory else default_cpu_memory()
         caps = parse_caps(args.max_memory)
         max_memory = build_max_memory(gpus, cpu, caps)
     except TopologyError as exc:

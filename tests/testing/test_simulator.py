@@ -848,7 +848,25 @@ PARITY_SCENARIOS = {
     "masked_fill_cpu_mask": lambda: torch.ones(2, device=GPU).masked_fill(torch.tensor([True, False]), 0.0),
     "list_of_cuda_0dim_is_cpu": lambda: torch.tensor([torch.tensor(1.0, device=GPU)]),
     "slice_put_cpu_ok": lambda: _put(torch.zeros(3, 2, device=GPU), slice(0, 2), torch.ones(2, 2)),
+    "new_zeros_to_cpu": lambda: torch.ones(2, device=GPU).new_zeros(3, device="cpu"),
+    "new_full_from_cpu_to_cuda": lambda: torch.ones(2).new_full((2,), 1.0, device=GPU),
+    "new_tensor_to_cpu": lambda: torch.ones(1, device=GPU).new_tensor([1.0], device="cpu"),
+    "new_empty_keeps_device": lambda: torch.ones(1, device=GPU).new_empty(2),
+    "cpu_indexed_by_cuda_0dim_int_ok": lambda: torch.arange(4.0)[torch.tensor(2, device=GPU)],
+    "cpu_indexed_by_cuda_0dim_bool_ok": lambda: torch.arange(4.0)[torch.tensor(True, device=GPU)],
+    "cpu_indexed_by_cuda_1dim_int": lambda: torch.arange(4.0)[torch.tensor([2], device=GPU)],
+    "cpu_put_by_cuda_0dim_int_ok": lambda: _put(torch.zeros(3), torch.tensor(1, device=GPU), 2.0),
+    "stream_context_current": lambda: _in_stream(),
 }
+
+
+def _in_stream():
+    """Inside ``torch.cuda.stream(s)``: is ``s`` current, where does a bare "cuda" land; after: default."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        inside = torch.cuda.current_stream() == s
+        t = torch.ones(1, device="cuda")
+    return inside, torch.cuda.current_stream() == torch.cuda.default_stream(), str(t.device)
 
 
 def _put(x, index, value):

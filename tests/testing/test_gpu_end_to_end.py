@@ -1,0 +1,154 @@
+"""The shims with a real ``cuda:0`` (``pytest -m gpu``): a tiny Llama saved to disk, loaded by
+``from_pretrained`` with bitsandbytes quantization and ``device_map="auto"``, generating and moved
+between the GPU and the CPU, as a user does on a one-GPU machine. Skipped where no GPU is present
+(CI has none); the same scenarios run on the simulated GPUs in the shims' own tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+bnb = pytest.importorskip("bitsandbytes")
+
+import devmap_shims  # noqa: E402
+from devmap_shims.compat_matrix import load_matrix  # noqa: E402
+from devmap_shims.shims.engine import ENGINE  # noqa: E402
+from devmap_shims.testing.models.causal_lm import (  # noqa: E402
+    greedy_generate,
+    sample_input_ids,
+    save_tiny_causal_lm,
+)
+from devmap_shims.versions import installed_versions  # noqa: E402
+
+pytestmark = pytest.mark.gpu  # skipped without a real GPU (tests/conftest.py)
+
+INT8_BUG = "bnb-int8-stats-stay-on-old-device"
+NEW_TOKENS = 6
+
+
+@pytest.fixture(autouse=True)
+def without_shims_around():
+    ENGINE.uninstall()
+    yield
+    ENGINE.uninstall()
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    return save_tiny_causal_lm("llama", tmp_path_factory.mktemp("llama"), dtype=torch.float16)
+
+
+def _load(path, bits: int) -> Any:
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if bits == 4:
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float16,
+            bnb_4bit_use_double_quant=True,
+        )
+    else:
+        quant = BitsAndBytesConfig(load_in_8bit=True)
+    dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    return AutoModelForCausalLM.from_pretrained(
+        path, device_map="auto", quantization_config=quant, **{dtype_kw: torch.float16}
+    )
+
+
+def _generate(model, device: str) -> Dict[str, Any]:
+    """Greedy tokens on ``device`` (or the error), and the tensors ``check_devices`` finds astray."""
+    try:
+        tokens: Any = greedy_generate(model, sample_input_ids().to(device), NEW_TOKENS)
+    except RuntimeError as e:  # torch.AcceleratorError (a CUDA error) is one too
+        tokens = (type(e).__name__, str(e).split("\n")[0])
+    return {"tokens": tokens, "strays": [s["name"] for s in devmap_shims.check_devices(model)]}
+
+
+def _session(path, bits: int) -> List[Dict[str, Any]]:
+    """Load on the GPU and generate; to the CPU and generate; back to the GPU and generate."""
+    model = _load(path, bits)
+    steps = [_generate(model, "cuda:0")]
+    model.to("cpu")
+    steps.append(_generate(model, "cpu"))
+    model.to("cuda:0")
+    steps.append(_generate(model, "cuda:0"))
+    return steps
+
+
+def test_a_4bit_llama_gives_the_same_tokens_with_the_shims_through_every_move(saved_llama):
+    plain = _session(saved_llama, 4)
+    assert isinstance(plain[0]["tokens"], torch.Tensor) and plain[0]["strays"] == []
+    devmap_shims.install()
+    shimmed = _session(saved_llama, 4)
+    for got in shimmed:
+        assert isinstance(got["tokens"], torch.Tensor), got["tokens"]
+        assert got["strays"] == []
+    assert torch.equal(shimmed[0]["tokens"], plain[0]["tokens"])
+    assert torch.equal(shimmed[2]["tokens"], plain[0]["tokens"])  # back on the GPU: as loaded
+
+
+def _plain_8bit_on_the_cpu(path) -> Dict[str, Any]:
+    """In a process of its own: load 8-bit, generate on the GPU, ``model.to("cpu")``, generate on the
+    CPU, then synchronize. Without the shims the CPU step can break the process's CUDA context (an
+    illegal memory access, reported at a later call), so it must not run in the test process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, DEVMAP_SHIMS="0")
+    proc = subprocess.run(
+        [sys.executable, __file__, str(path)], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _cuda_sync() -> str:
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as e:  # torch.AcceleratorError on torch >= 2.8
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return "ok"
+
+
+def _jsonable(step: Dict[str, Any]) -> Dict[str, Any]:
+    tokens = step["tokens"]
+    return dict(step, tokens=tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens))
+
+
+def test_an_8bit_llama_moved_to_the_cpu_generates_only_with_the_shims_where_the_matrix_says(saved_llama):
+    """bnb-int8-stats-stay-on-old-device through ``from_pretrained``: the 8-bit layers keep their
+    ``state.CB``/``state.SCB`` on ``cuda:0`` after ``model.to("cpu")``, and generating on the CPU
+    fails (the error, or a CUDA error at the next synchronization)."""
+    applies = load_matrix().get(INT8_BUG).applies(installed_versions(load_matrix().distributions()))
+    plain = _plain_8bit_on_the_cpu(saved_llama)
+    print("without the shims, on the CPU:", plain["cpu"]["tokens"], "| then synchronize:", plain["sync"])
+    assert plain["gpu"]["strays"] == [] and isinstance(plain["gpu"]["tokens"][0], list)
+    if applies:
+        assert any(name.endswith("state.CB") for name in plain["cpu"]["strays"]), plain["cpu"]["strays"]
+        failed = plain["cpu"]["tokens"][0] in ("RuntimeError", "AcceleratorError") or plain["sync"] != "ok"
+        assert failed, plain
+    devmap_shims.install()
+    shimmed = _session(saved_llama, 8)
+    assert _cuda_sync() == "ok"
+    for got in shimmed:
+        assert isinstance(got["tokens"], torch.Tensor), got["tokens"]
+        assert got["strays"] == []
+    assert shimmed[0]["tokens"].tolist() == plain["gpu"]["tokens"]
+    assert torch.equal(shimmed[2]["tokens"], shimmed[0]["tokens"])
+
+
+if __name__ == "__main__":  # the unshimmed half of the 8-bit test, run by _plain_8bit_on_the_cpu
+    import json
+    import sys
+
+    model = _load(sys.argv[1], 8)
+    report = {"gpu": _jsonable(_generate(model, "cuda:0"))}
+    model.to("cpu")
+    report["cpu"] = _jsonable(_generate(model, "cpu"))
+    report["sync"] = _cuda_sync()
+    print(json.dumps(report))

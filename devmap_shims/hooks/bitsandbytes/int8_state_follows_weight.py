@@ -12,7 +12,7 @@ call).
 Rows (generated from known_bugs.toml by scripts/regenerate.py):
     bnb-int8-stats-stay-on-old-device
         affected: bitsandbytes >=0.41.0
-        fixed in: unfixed (last checked 2026-11-24)
+        fixed in: unfixed (last checked 2026-11-28)
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The shims with a real ``cuda:0`` (``pytest -m gpu``): a tiny Llama saved to disk, loaded by
-``from_pretrained`` with bitsandbytes quantization and ``device_map="auto"``, generating and moved
-between the GPU and the CPU, as a user does on a one-GPU machine. Skipped where no GPU is present
+``from_pretrained`` with bitsandbytes quantization and ``device_map="auto"``, and a tiny Flux
+pipeline with a 4-bit transformer, generating and moved between the GPU and the CPU, as a user
+does on a one-GPU machine. Skipped where no GPU is present
 (CI has none); the same scenarios run on the simulated GPUs in the shims' own tests.
 """
 
@@ -141,6 +142,47 @@ def test_an_8bit_llama_moved_to_the_cpu_generates_only_with_the_shims_where_the_
     assert shimmed[0]["tokens"].tolist() == plain["gpu"]["tokens"]
     assert torch.equal(shimmed[2]["tokens"], shimmed[0]["tokens"])
 
+
+
+def _flux_session(path) -> List[Dict[str, Any]]:
+    """A 4-bit Flux transformer loaded on the GPU in its pipeline: images on the GPU, on the CPU
+    after ``pipe.to("cpu")``, and on the GPU again, with the tensors ``check_devices`` finds astray."""
+    from diffusers import BitsAndBytesConfig, FluxPipeline, FluxTransformer2DModel
+
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    transformer = FluxTransformer2DModel.from_pretrained(
+        path, subfolder="transformer", quantization_config=quant
+    )
+    pipe = FluxPipeline.from_pretrained(path, transformer=transformer).to("cuda:0")
+    steps = []
+    for device in ("cuda:0", "cpu", "cuda:0"):
+        pipe.to(device)
+        with torch.no_grad():
+            images = pipe(
+                "a cat", num_inference_steps=2, height=32, width=32, output_type="pt",
+                generator=torch.Generator(device).manual_seed(0),
+            ).images.cpu()
+        steps.append({"images": images, "strays": [s["name"] for s in devmap_shims.check_devices(pipe)]})
+    return steps
+
+
+def test_a_4bit_flux_pipeline_gives_the_same_images_with_the_shims_through_every_move(tmp_path):
+    pytest.importorskip("diffusers")
+    from devmap_shims.testing.models.flux import flux_unavailable, save_tiny_flux_pipeline
+
+    if flux_unavailable():
+        pytest.skip(flux_unavailable())
+    path = save_tiny_flux_pipeline(tmp_path / "flux")
+    plain = _flux_session(path)
+    devmap_shims.install()
+    shimmed = _flux_session(path)
+    for want, got in zip(plain, shimmed):
+        assert got["strays"] == []
+        assert torch.isfinite(got["images"]).all() and got["images"].std() > 0
+        assert torch.equal(got["images"], want["images"])
+    assert torch.equal(shimmed[2]["images"], shimmed[0]["images"])
 
 if __name__ == "__main__":  # the unshimmed half of the 8-bit test, run by _plain_8bit_on_the_cpu
     import json

@@ -174,18 +174,24 @@ def report(data: Dict[str, Any], max_lines: int = MAX_LINES) -> List[str]:
     shims = data["shims"]
     rows = data["applicable_rows"]
     active = {s["id"] for s in shims if s["state"] == "active"}
-    fixed = [r for r in rows if r["shim"] in active]
-    unfixed = [r for r in rows if r["shim"] not in active]
+    warns_only = {s["id"] for s in shims if s["state"] == "active" and not s.get("repairs", True)}
+    fixed = [r for r in rows if r["shim"] in active - warns_only]
+    warned = [r for r in rows if r["shim"] in warns_only]
+    unfixed = [r for r in rows if r["shim"] not in active - warns_only]
     counts = {state: sum(1 for s in shims if s["state"] == state)
               for state in ("active", "pending", "failed", "skipped")}
     lines = wrap(
         f"devmap-shims doctor: {len(rows)} known {'bugs apply' if len(rows) != 1 else 'bug applies'} "
         "to your stack; "
-        f"{len(fixed)} fixed by active shims", WIDTH, hang="  ")
+        f"{len(fixed)} fixed by active shims" + (f", {len(warned)} warned about" if warned else ""),
+        WIDTH, hang="  ")
     lines += _heading(data)
     tail: List[str] = []
     if unfixed:
-        names = ", ".join(r["id"] + (f" (shim {r['shim']} {_state_of(data, r['shim'])})" if r["shim"] else "")
+        def state(shim_id: str) -> str:
+            return "warns only" if shim_id in warns_only else _state_of(data, shim_id)
+
+        names = ", ".join(r["id"] + (f" (shim {r['shim']} {state(r['shim'])})" if r["shim"] else "")
                           for r in unfixed)
         tail += ["", f"Bugs here that no active shim fixes ({len(unfixed)}); "
                      "`devmap-shims explain ID` for the workaround:"]

@@ -140,10 +140,15 @@ class Shim(_Record):
         called once, when the shim's first target is armed: for targets that depend on the
         installed library's files (the model classes that override ``generate``), found only where
         the bug applies and only once the library is being imported.
+    repairs:
+        False for a shim that only detects the configuration of its rows and warns (strict mode:
+        raises), and does not repair them: ``doctor`` then counts its rows as warned about, not
+        fixed.
     """
 
     __slots__ = (
         "id", "fixes", "targets", "wrapper", "compile_reachable", "summary", "source", "state", "more_targets",
+        "repairs",
     )
     id: str
     fixes: Tuple[str, ...]
@@ -154,6 +159,7 @@ class Shim(_Record):
     source: str
     state: Optional[Callable[[], Any]]
     more_targets: Union[str, Callable[[], Iterable[Target]], None]
+    repairs: bool
 
     def __init__(
         self,
@@ -167,6 +173,7 @@ class Shim(_Record):
         source: str = "builtin",
         state: Optional[Callable[[], Any]] = None,
         more_targets: Union[str, Callable[[], Iterable[Target]], None] = None,
+        repairs: bool = True,
     ) -> None:
         if isinstance(fixes, str):
             fixes = (fixes,)
@@ -186,6 +193,7 @@ class Shim(_Record):
             source=source,
             state=state,
             more_targets=more_targets,
+            repairs=bool(repairs),
         )
 
     @property

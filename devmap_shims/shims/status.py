@@ -57,6 +57,7 @@ def collect(engine: Any) -> Dict[str, Any]:
                     "fixes": list(entry.shim.fixes),
                     "summary": entry.shim.summary,
                     "source": entry.shim.source,
+                    "repairs": entry.shim.repairs,
                     "selected": entry.selected,
                     "forced": entry.forced,
                     "applies": applies,

@@ -50,13 +50,15 @@ def _bugs_here(shim: Dict[str, Any]) -> List[str]:
 
 
 def reason(shim: Dict[str, Any]) -> str:
-    """A short reason for ``shim``'s state: the ids of the bugs it fixes here (active), what it
-    waits for (pending), its error (failed), why it is off."""
+    """A short reason for ``shim``'s state: the ids of the bugs it fixes here (active; "warns only"
+    for a shim that does not repair them), what it waits for (pending), its error (failed), why it
+    is off."""
     group = group_of(shim)
     targets = shim.get("targets") or []
     if group == "active":
         bugs = _bugs_here(shim)
-        return ", ".join(bugs) if bugs else "forced on (DEVMAP_SHIMS_FORCE)"
+        listed = ", ".join(bugs) if bugs else "forced on (DEVMAP_SHIMS_FORCE)"
+        return listed if shim.get("repairs", True) else f"warns only: {listed}"
     if group == "failed":
         failed = [t for t in targets if t.get("state") == "failed"]
         if failed:

@@ -16,7 +16,7 @@ import pytest
 import devmap_shims
 from devmap_shims.cli import main
 from devmap_shims.cli.doctor import MAX_LINES, report, verbose_report
-from devmap_shims.shims.summary import Status, shim_lines
+from devmap_shims.shims.summary import Status, reason, shim_lines
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -204,6 +204,43 @@ def test_status_summary_counts_match_the_data(doctor_json):
     fits(text.splitlines(), 20)
     counts = {state: sum(1 for s in data["shims"] if s["state"] == state) for state in ("active", "pending", "failed")}
     assert f"{len(data['shims'])} shims: {counts['active']} active, {counts['pending']} pending, {counts['failed']} failed" in text
+
+
+def test_a_shim_that_only_warns_counts_its_rows_as_warned_about_not_fixed(doctor_json):
+    """A shim that warns about a bug it cannot repair (launcher-sharding-guard) is active, but its
+    row is not fixed: doctor says so in its first line and names the row with the unfixed ones."""
+    assert {s["id"] for s in doctor_json["shims"] if not s["repairs"]} == {"launcher-sharding-guard"}
+
+    def doctor_with_a_guard(repairs):
+        data = copy.deepcopy(doctor_json)
+        data["shims"].append({
+            "id": "a-guard", "fixes": ["a-hang"], "summary": "", "source": "test", "repairs": repairs,
+            "selected": True, "forced": False, "applies": True,
+            "applicability": "a-hang: affected (x 1 in >=1)",
+            "state": "active", "call_failures": 0, "targets": [],
+        })
+        data["applicable_rows"].append({"id": "a-hang", "shim": "a-guard"})
+        return data, "\n".join(report(data))
+
+    def first_line_counts(data, text):
+        active = {s["id"] for s in data["shims"] if s["state"] == "active"}
+        repairing = active - {s["id"] for s in data["shims"] if not s["repairs"]}
+        fixed = sum(1 for r in data["applicable_rows"] if r["shim"] in repairing)
+        warned = sum(1 for r in data["applicable_rows"] if r["shim"] in active - repairing)
+        first = " ".join(text.split("\n  versions:")[0].split())
+        return fixed, warned, first
+
+    data, text = doctor_with_a_guard(repairs=False)
+    fixed, warned, first = first_line_counts(data, text)
+    assert warned >= 1 and first.endswith(f"; {fixed} fixed by active shims, {warned} warned about")
+    assert reason(data["shims"][-1]) == "warns only: a-hang"  # its line, where shims get lines of their own
+    assert "a-hang (shim a-guard warns only)" in " ".join(text.split())  # the list may wrap
+    data, text = doctor_with_a_guard(repairs=True)
+    fixed_too, warned_less, first = first_line_counts(data, text)
+    assert (fixed_too, warned_less) == (fixed + 1, warned - 1)
+    still_warned = f", {warned - 1} warned about" if warned > 1 else ""
+    assert first.endswith(f"; {fixed + 1} fixed by active shims{still_warned}")
+    assert "warns only: a-hang" not in text and "a-hang (shim" not in " ".join(text.split())
 
 
 def test_shim_lines_keep_within_the_room_given(doctor_json):

@@ -23,6 +23,8 @@ def summarize(bugs: List[Dict[str, Any]], broken: Sequence[str] = ()) -> Dict[st
         "applicable": sum(1 for b in bugs if b["affected_here"]),
         "fixed": count("fixed"),
         "shim_not_replayed": count("shim-not-replayed"),
+        "warned_only": sum(
+            1 for b in bugs if b["status"] == "shim-not-replayed" and b.get("shim_warns_only")),
         "workaround_only": count("workaround-only"),
         "problems": count("problem") + len(broken),
         "not_affected": sum(1 for b in bugs if not b["affected_here"]),
@@ -54,14 +56,18 @@ def _plural(n: int, one: str, many: str) -> str:
 
 
 def closing_line(summary: Dict[str, int], selected: bool = False) -> str:
-    """``"10 known bugs apply to your stack; 9 fixed by devmap-shims, 1 by a shim not replayed here."``"""
+    """``"10 known bugs apply to your stack; 9 fixed by devmap-shims, 1 only warned about by a shim."``
+    (``warned_only`` rows are among the ``shim_not_replayed`` ones.)"""
     n = summary["applicable"]
     text = f"{n} known bug{'' if n == 1 else 's'} {'applies' if n == 1 else 'apply'} to your stack"
     if selected:
         text = f"Of the rows asked for, {text}"
     parts = [f"{summary['fixed']} fixed by devmap-shims"]
-    if summary["shim_not_replayed"]:
-        parts.append(f"{summary['shim_not_replayed']} by a shim not replayed here")
+    warned = summary.get("warned_only", 0)
+    if summary["shim_not_replayed"] - warned:
+        parts.append(f"{summary['shim_not_replayed'] - warned} by a shim not replayed here")
+    if warned:
+        parts.append(f"{warned} only warned about by a shim")
     if summary["workaround_only"]:
         parts.append(f"{summary['workaround_only']} with a workaround only")
     return f"{text}; {', '.join(parts)}."
@@ -75,6 +81,9 @@ def _block(bug: Dict[str, Any], replays: List[Dict[str, Any]], marks: Dict[str, 
         "workaround-only": f"{marks['note']} workaround",
         "problem": f"{marks['bad']} PROBLEM",
     }.get(status, f"{marks['ok']} ok")
+    warns_only = status == "shim-not-replayed" and bool(bug.get("shim_warns_only"))
+    if warns_only:
+        label = f"{marks['note']} warns"
     lines = wrap(bug["bug_id"], f"{label}  ", "    ")
     lines += wrap(bug["title"], "    ")
     if status == "problem" and not bug["affected_here"]:
@@ -98,7 +107,8 @@ def _block(bug: Dict[str, Any], replays: List[Dict[str, Any]], marks: Dict[str, 
     if status == "shim-not-replayed":
         lines += wrap(f"{bug['shim']}: {bug['shim_summary']}", "    ", "      ", max_lines=2)
         lines += wrap(f"not replayed: {bug['not_replayed_because']}", "    ", "      ", max_lines=2)
-    if status == "workaround-only" or (status == "problem" and not bug["shim"] and bug["affected_here"]):
+    unrepaired = status == "problem" and not bug["shim"] and bug["affected_here"]
+    if status == "workaround-only" or warns_only or unrepaired:
         lines += wrap(f"workaround: {bug['workaround'] or 'none known'}", "    ", "      ", max_lines=3)
     return lines
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Tuple
 
 from devmap_shims.cli._demo_text import PROBLEM_VERDICTS, WIDTH, render, summarize, wrap  # noqa: F401 (demo.wrap)
 from devmap_shims.cli._output import UsageError, no_such_id, print_json
@@ -72,6 +72,7 @@ def collect(
     shims, broken = builtin_shims()
     shim_of = shim_of_rows(shims)
     summary_of = {shim.id: shim.summary for shim in shims}
+    warns_only = {shim.id for shim in shims if not shim.repairs}
     versions = installed_versions(sorted(set(matrix.distributions()) | set(TARGET_DISTRIBUTIONS)))
     rows_of: Dict[str, List[str]] = {}  # a shim id asks for the rows it fixes
     for bug_id, shim_id in shim_of.items():
@@ -107,7 +108,7 @@ def collect(
             replays.setdefault(row.id, []).append(_replay_row(row.id, item, affected, why, shim))
     bugs = [
         bug_entry(row, applies[row.id], versions, shim_of.get(row.id), summary_of, replays.get(row.id, []),
-                   skipped.get(row.id, False))
+                   skipped.get(row.id, False), warns_only=warns_only)
         for row in chosen
     ]
     rows = [entry for row in chosen for entry in replays.get(row.id, [])]
@@ -161,12 +162,14 @@ def _first_sentence(text: Optional[str]) -> str:
 def bug_entry(
     row: Any, applicability: Tuple[bool, str], versions: Dict[str, Optional[str]], shim: Optional[str],
     summary_of: Dict[str, str], replays: List[Dict[str, Any]], skipped: bool,
+    warns_only: Collection[str] = (),
 ) -> Dict[str, Any]:
     """One matrix row's part of the story: ``status`` is ``fixed`` (replayed: the bug shows without
     the shim, not with it), ``shim-not-replayed`` (applies, a shim covers it, no scenario runs
     here), ``workaround-only`` (applies, no shim), ``problem`` (a replay went wrong) or
     ``not-affected`` (with ``not_affected_reason`` and ``replayed``: ``works``, ``skipped`` for
-    the time budget, ``unavailable`` or None when it has no scenario)."""
+    the time budget, ``unavailable`` or None when it has no scenario). ``shim_warns_only``: the
+    shim is in ``warns_only``, the ids of shims that warn about their rows and do not repair them."""
     affected, why = applicability
     verdicts = [r["verdict"] for r in replays]
     ran = [v for v in verdicts if v != "unavailable"]
@@ -205,6 +208,7 @@ def bug_entry(
         "fixed_in": row.fixed_in_text,
         "shim": shim,
         "shim_summary": summary_of.get(shim) if shim else None,
+        "shim_warns_only": shim in warns_only if shim else False,
         "workaround": " ".join(row.workaround.split()) or None,
         "scenarios": [r["scenario"] for r in replays],
         "replayed": replayed,

@@ -193,6 +193,7 @@ def _explain_shim(shim: Any, matrix: Any, as_json: bool) -> int:
         "source": shim.source,
         "module": _module_of(shim),
         "targets": [t.key + (f" (when {dict(t.when)})" if t.when else "") for t in shim.targets],
+        "repairs": shim.repairs,
         "rows": rows,
     }
     data["armed_here"], data["armed_reason"] = _armed_here(shim, any(r["applies_here"] for r in rows))
@@ -205,7 +206,7 @@ def _explain_shim(shim: Any, matrix: Any, as_json: bool) -> int:
         _field("wraps", target)
     for row in rows:
         rng = "; ".join(f"{d} {s}" for d, s in (row["affected"] or {}).items()) or "?"
-        _field("fixes", f"{row['id']}: {rng}; fixed in {row['fixed_in']}")
+        _field("fixes" if shim.repairs else "warns about", f"{row['id']}: {rng}; fixed in {row['fixed_in']}")
         _field("", f"here: {'AFFECTED' if row['applies_here'] else 'not affected'} ({row['applicability']})")
     _field("armed here", f"{'yes' if data['armed_here'] else 'no'} ({data['armed_reason']})")
     return EXIT_OK

@@ -74,6 +74,12 @@ def test_explain_a_shim_shows_its_module_targets_and_the_range_of_each_row(capsy
     assert [r["id"] for r in data["rows"]] == [
         "dispatch-without-skip-keys-moves-kv-cache", "accelerate-skip-keys-not-propagated"]
     assert data["rows"][1]["affected"] == {"accelerate": ">=0.20.0,<1.0.0"}
+    assert data["repairs"] is True
+    # a shim that warns about a hang and repairs nothing
+    code, out, _ = run_cli(capsys, "explain", "launcher-sharding-guard")
+    assert code == 0 and "warns about: device-map-auto-generate-hang-grpo" in out and "fixes:" not in out
+    code, out, _ = run_cli(capsys, "explain", "--json", "launcher-sharding-guard")
+    assert json.loads(out)["repairs"] is False
 
 
 def test_matrix_fits_100_columns_and_keeps_each_range_whole(capsys):

@@ -26,6 +26,7 @@ SCENARIOS = all_scenarios()
 SHIMS = builtin_shims()[0]
 SHIM_OF = shim_of_rows(SHIMS)
 SUMMARY_OF = {shim.id: shim.summary for shim in SHIMS}
+WARNS_ONLY = {shim.id for shim in SHIMS if not shim.repairs}
 
 #: what tqdm, diffusers' pipeline loader and transformers' logger print when they are not silenced
 LIBRARY_NOISE = re.compile("[\u2588-\u258f]" r"|it/s|s/it|w/s|\d+%\||Loading (pipeline|checkpoint)|\[transformers\]"
@@ -86,7 +87,8 @@ def test_the_first_fixed_release_reads_fixed_and_a_release_before_the_range_read
 # -- the report, from the real matrix -----------------------------------------------------------
 def _bugs_without_replays():
     return [
-        demo.bug_entry(row, row.applicability(VERSIONS), VERSIONS, SHIM_OF.get(row.id), SUMMARY_OF, [], False)
+        demo.bug_entry(row, row.applicability(VERSIONS), VERSIONS, SHIM_OF.get(row.id), SUMMARY_OF, [], False,
+                       warns_only=WARNS_ONLY)
         for row in MATRIX.rows
     ]
 
@@ -94,7 +96,8 @@ def _bugs_without_replays():
 def _closing_numbers(text):
     flat = " ".join(text.split())
     match = re.search(r"(\d+) known bugs? (?:apply|applies) to your stack; (\d+) fixed by devmap-shims"
-                      r"(?:, (\d+) by a shim not replayed here)?(?:, (\d+) with a workaround only)?\.", flat)
+                      r"(?:, (\d+) by a shim not replayed here)?(?:, (\d+) only warned about by a shim)?"
+                      r"(?:, (\d+) with a workaround only)?\.", flat)
     assert match, text[-600:]
     problems = re.search(r"(\d+) problems?;", flat)
     return [int(n or 0) for n in match.groups()] + [int(problems.group(1))]
@@ -110,8 +113,10 @@ def test_every_row_is_in_the_report_once_every_line_fits_and_the_closing_line_ad
         assert len(starts) == 1, (row.id, starts)
     applicable = [row for row in MATRIX.rows if row.applies(VERSIONS)]
     with_shim = sum(1 for row in applicable if row.id in SHIM_OF)
+    warned = sum(1 for row in applicable if SHIM_OF.get(row.id) in WARNS_ONLY)
     # nothing replayed: every row that applies is covered by its shim or by a workaround only
-    assert _closing_numbers(text) == [len(applicable), 0, with_shim, len(applicable) - with_shim, 0]
+    assert _closing_numbers(text) == [
+        len(applicable), 0, with_shim - warned, warned, len(applicable) - with_shim, 0]
     summary = demo.summarize(bugs)
     assert summary["applicable"] == summary["fixed"] + summary["shim_not_replayed"] + summary["workaround_only"]
     assert summary["not_affected"] == len(MATRIX.rows) - len(applicable)
@@ -136,7 +141,27 @@ def test_a_replay_that_reproduces_and_fixes_a_bug_counts_as_fixed_and_a_failed_o
     assert any(line.rstrip().endswith("...") for line in text.splitlines())  # the long error is elided
     text = demo.render([broken], [dict(replay, verdict="NOT FIXED")], VERSIONS)
     assert re.search(rf"^\S PROBLEM  {re.escape(row.id)}$", text, re.M) and "verdict: NOT FIXED" in text
-    assert _closing_numbers(text) == [1, 0, 0, 0, 1]
+    assert _closing_numbers(text) == [1, 0, 0, 0, 0, 1]
+
+
+def test_a_row_whose_shim_only_warns_is_warned_about_not_fixed_and_shows_its_workaround():
+    """launcher-sharding-guard warns about a hang it cannot repair: demo must not count its row as
+    covered by a shim the way a repairing shim's is, and the user needs the workaround."""
+    assert WARNS_ONLY == {"launcher-sharding-guard"}
+    row = MATRIX.get("device-map-auto-generate-hang-grpo")
+    warned = demo.bug_entry(row, (True, "in range"), VERSIONS, SHIM_OF[row.id], SUMMARY_OF, [], False,
+                            warns_only=WARNS_ONLY)
+    plain = demo.bug_entry(row, (True, "in range"), VERSIONS, SHIM_OF[row.id], SUMMARY_OF, [], False)
+    assert (warned["status"], warned["shim_warns_only"], plain["shim_warns_only"]) == (
+        "shim-not-replayed", True, False)
+    summary = demo.summarize([warned])
+    assert (summary["shim_not_replayed"], summary["warned_only"]) == (1, 1)
+    text = demo.render([warned], [], VERSIONS)
+    assert re.search(rf"^\S warns  {re.escape(row.id)}$", text, re.M), text
+    assert "workaround: Under `accelerate launch`" in text
+    assert _closing_numbers(text) == [1, 0, 0, 1, 0, 0]
+    text = demo.render([plain], [], VERSIONS)  # a shim that repairs: no workaround, counted as before
+    assert "workaround:" not in text and _closing_numbers(text) == [1, 0, 1, 0, 0, 0]
 
 
 def test_wrapping_never_cuts_a_version_range_or_a_name_from_its_version():
@@ -211,10 +236,10 @@ def test_a_real_run_prints_no_library_progress_or_warning_fits_100_columns_and_a
     noise = [line for line in proc.stderr.splitlines() if not re.fullmatch(r"\[\d+/\d+\] replaying \S+ \.\.\.", line)]
     assert not noise, proc.stderr[-3000:]
     assert max(len(line) for line in out_lines) <= demo.WIDTH, [line for line in out_lines if len(line) > demo.WIDTH]
-    applies, fixed, by_shim, workaround, problems = _closing_numbers(proc.stdout)
+    applies, fixed, by_shim, warned, workaround, problems = _closing_numbers(proc.stdout)
     assert applies == (1 if fixed_row else 0) and problems == 0
     assert fixed == sum(1 for line in out_lines if re.match(r"\S fixed  \S", line)) == applies
-    assert by_shim == workaround == 0
+    assert by_shim == warned == workaround == 0
     if other_row:  # replayed (working) or unavailable here, with the reason it does not apply
         reason = not_affected_reason(other_row, VERSIONS)
         assert any(re.fullmatch(rf"  {re.escape(other_row.id)} +{re.escape(reason)}", line) for line in out_lines)
@@ -235,6 +260,8 @@ def test_json_keeps_every_row_with_why_it_does_not_apply():
         assert bug["not_affected_reason"] == not_affected_reason(row, VERSIONS)
         assert bug["status"] == ("not-affected" if not bug["affected_here"]
                                  else "shim-not-replayed" if row.id in SHIM_OF else "workaround-only")
+        assert bug["shim_warns_only"] == (SHIM_OF.get(row.id) in WARNS_ONLY)  # the CLI reads each shim
+    assert any(bug["shim_warns_only"] for bug in data["bugs"])
     assert data["summary"] == demo.summarize(data["bugs"])
 
 

@@ -196,7 +196,9 @@ def _explain_shim(shim: Any, matrix: Any, as_json: bool) -> int:
         "repairs": shim.repairs,
         "rows": rows,
     }
-    data["armed_here"], data["armed_reason"] = _armed_here(shim, any(r["applies_here"] for r in rows))
+    from devmap_shims.shims.catalog import armed_here
+
+    data["armed_here"], data["armed_reason"], _switch = armed_here(shim, any(r["applies_here"] for r in rows))
     if as_json:
         print_json({"schema_version": SCHEMA_VERSION, **data})
         return EXIT_OK
@@ -210,29 +212,6 @@ def _explain_shim(shim: Any, matrix: Any, as_json: bool) -> int:
         _field("", f"here: {'AFFECTED' if row['applies_here'] else 'not affected'} ({row['applicability']})")
     _field("armed here", f"{'yes' if data['armed_here'] else 'no'} ({data['armed_reason']})")
     return EXIT_OK
-
-
-def _armed_here(shim: Any, applies: bool) -> Tuple[bool, str]:
-    """Whether ``install()`` arms ``shim`` in this environment, and why (or why not): the switches
-    (``DEVMAP_SHIMS=0``, ``DEVMAP_SHIMS_DISABLE``, ``DEVMAP_SHIMS_FORCE``), its rows, and the
-    versions its targets are limited to."""
-    from devmap_shims.shims.config import read_settings
-    from devmap_shims.versions import installed_versions, satisfies
-
-    settings = read_settings()
-    off = settings.switched_off(shim.id)
-    if off:
-        return False, f"{off} switches it off"
-    limits = [t.when for t in shim.targets if t.when]
-    if limits and len(limits) == len(shim.targets):  # every target limited to some versions
-        versions = installed_versions(sorted({d for when in limits for d in when}))
-        outside = [satisfies(versions, when) for when in limits]
-        if not any(ok for ok, _why in outside):
-            return False, f"its targets are for other versions: {outside[0][1]}"
-    forced = f"DEVMAP_SHIMS_FORCE={shim.id}"
-    if shim.id in settings.force:
-        return True, f"{forced} arms it{'' if applies else ' though none of its rows applies'}"
-    return (True, "a row it fixes applies") if applies else (False, f"{forced} arms it anyway")
 
 
 def _field(label: str, value: str) -> None:

@@ -160,18 +160,13 @@ def shim_armed() -> Tuple[bool, str]:
     switch in the environment, which one (``DEVMAP_SHIMS=0``, ``DEVMAP_SHIMS_DISABLE``)?"""
     from devmap_shims.compat_matrix import load_matrix
     from devmap_shims.hooks.accelerate.device_map_balance import SHIM
-    from devmap_shims.shims.config import read_settings
+    from devmap_shims.shims.catalog import armed_here
     from devmap_shims.versions import installed_versions
 
-    settings = read_settings()
-    off = settings.switched_off(SHIM.id)
-    if off:
-        return False, off
-    if SHIM.id in settings.force:
-        return True, ""
     matrix = load_matrix()
     versions = installed_versions(matrix.distributions())
-    return any(matrix.get(bug_id).applies(versions) for bug_id in SHIM.fixes), ""
+    armed, _why, switch = armed_here(SHIM, any(matrix.get(bug_id).applies(versions) for bug_id in SHIM.fixes))
+    return armed, switch
 
 
 def _versions() -> Dict[str, Optional[str]]:

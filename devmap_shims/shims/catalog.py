@@ -78,3 +78,28 @@ def shim_of_rows(shims: Iterable[Shim]) -> Dict[str, str]:
         for bug_id in shim.fixes:
             found.setdefault(bug_id, shim.id)
     return found
+
+
+def armed_here(shim: Shim, applies: bool) -> Tuple[bool, str, str]:
+    """Would ``install()`` arm ``shim`` in this environment? ``(armed, why, switch)``: ``why`` says
+    what decides it (the switches ``DEVMAP_SHIMS=0``, ``DEVMAP_SHIMS_DISABLE`` and
+    ``DEVMAP_SHIMS_FORCE``; ``applies``, whether a row it fixes applies here; the versions its
+    targets are limited to), and ``switch`` names the variable that keeps it off, or is empty.
+    ``plan`` and ``explain`` ask; ``install()`` itself decides target by target as it arms."""
+    from devmap_shims.shims.config import read_settings
+    from devmap_shims.versions import installed_versions, satisfies
+
+    settings = read_settings()
+    off = settings.switched_off(shim.id)
+    if off:
+        return False, f"{off} switches it off", off
+    limits = [t.when for t in shim.targets if t.when]
+    if limits and len(limits) == len(shim.targets):  # every target limited to some versions
+        versions = installed_versions(sorted({d for when in limits for d in when}))
+        outside = [satisfies(versions, when) for when in limits]
+        if not any(ok for ok, _why in outside):
+            return False, f"its targets are for other versions: {outside[0][1]}", ""
+    forced = f"DEVMAP_SHIMS_FORCE={shim.id}"
+    if shim.id in settings.force:
+        return True, f"{forced} arms it{'' if applies else ' though none of its rows applies'}", ""
+    return (True, "a row it fixes applies", "") if applies else (False, f"{forced} arms it anyway", "")

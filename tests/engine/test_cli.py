@@ -143,6 +143,28 @@ def test_explain_does_not_offer_to_force_a_shim_whose_targets_are_for_other_vers
     assert "FORCE" not in data["armed_reason"]
 
 
+def test_plan_decides_arming_as_explain_does_targets_for_other_versions_included(monkeypatch):
+    """plan and explain ask one function whether install() would arm a shim here: a shim whose
+    targets are all for other versions stays off even when forced, and a switch is named."""
+    from devmap_shims.cli import plan
+    from devmap_shims.hooks.accelerate import device_map_balance as module
+    from devmap_shims.shims import Target
+    from devmap_shims.shims.catalog import armed_here
+
+    elsewhere = tuple(Target(t.module, t.qualname, when={"accelerate": ">=999"}, expect_params=t.expect_params,
+                             wrapper=t.wrapper) for t in module.SHIM.targets)
+    monkeypatch.setattr(module, "SHIM", module.SHIM.replace(targets=elsewhere))
+    monkeypatch.setenv("DEVMAP_SHIMS_FORCE", "device-map-balance")
+    assert plan.shim_armed() == (False, "")
+    armed, why, switch = armed_here(module.SHIM, True)
+    assert (armed, switch) == (False, "") and why.startswith("its targets are for other versions: ")
+    monkeypatch.setenv("DEVMAP_SHIMS_DISABLE", "device-map-balance")
+    assert plan.shim_armed() == (False, "DEVMAP_SHIMS_DISABLE=device-map-balance")
+    monkeypatch.undo()
+    monkeypatch.setenv("DEVMAP_SHIMS_FORCE", "device-map-balance")  # its own targets: forced on
+    assert plan.shim_armed() == (True, "")
+
+
 def test_doctor_json(capsys):
     code, out, _ = run_cli(capsys, "doctor", "--json", "--no-import", "--no-devices")
     data = json.loads(out)

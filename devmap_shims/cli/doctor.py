@@ -235,8 +235,12 @@ def verbose_report(data: Dict[str, Any]) -> List[str]:
     rows = data["applicable_rows"]
     lines = ["devmap-shims doctor --verbose"] + _heading(data)
     lines += ["", f"Known bugs that apply here ({len(rows)}):"]
+    warns_only = {s["id"] for s in data["shims"] if not s.get("repairs", True)}
     for row in rows:
-        text = f"{row['id']} [{row['shim'] or 'no shim: ' + row['workaround']}]"
+        shim = row["shim"]
+        text = f"{row['id']} [{shim or 'no shim: ' + row['workaround']}]"
+        if shim in warns_only:
+            text = f"{row['id']} [{shim}, which warns only: {row['workaround']}]"
         lines += wrap(text, WIDTH, "  ", hang="      ", max_lines=2)
     lines += ["", f"Shims: none installed ({KILLED})" if data.get("killed") else "Shims:"]
     # the longest id sets the column (a plugin's long id at most NAME_COLUMN wide; past it, that row

@@ -134,7 +134,8 @@ def run_explain(args: argparse.Namespace) -> int:
         row = matrix.get(args.id)
     except KeyError:
         raise UsageError(no_such_id(args.id, [r.id for r in matrix.rows] + list(by_id))) from None
-    return _explain_row(row, shim_of_rows(shims).get(row.id), args.json)
+    shim = shim_of_rows(shims).get(row.id)
+    return _explain_row(row, shim, args.json, warns_only=shim is not None and not by_id[shim].repairs)
 
 
 def _here(row: Any) -> Tuple[bool, str]:
@@ -143,7 +144,7 @@ def _here(row: Any) -> Tuple[bool, str]:
     return row.applicability(installed_versions(sorted(row.affected)))
 
 
-def _explain_row(row: Any, shim: Optional[str], as_json: bool) -> int:
+def _explain_row(row: Any, shim: Optional[str], as_json: bool, warns_only: bool = False) -> int:
     from devmap_shims.compat_matrix import row_to_dict
 
     applies, why = _here(row)
@@ -159,7 +160,7 @@ def _explain_row(row: Any, shim: Optional[str], as_json: bool) -> int:
     _field("here", f"{'AFFECTED' if applies else 'not affected'} ({why})")
     _field("fixed in", row.fixed_in_text)
     if shim:
-        _field("shim", f"{shim} (`devmap-shims explain {shim}`)")
+        _field("shim", f"{shim}{', which warns only' if warns_only else ''} (`devmap-shims explain {shim}`)")
     _field("workaround", row.workaround)
     _field("symptom", row.symptom)
     _field("root cause", row.root_cause)
@@ -170,7 +171,8 @@ def _explain_row(row: Any, shim: Optional[str], as_json: bool) -> int:
         what = "drop this shim" if shim else "drop the workaround"
         print(fit(f"fixed in {row.fixed_in_text}: upgrade ({upgrades}) to {what}.", indent="  ", hang="    "))
     else:
-        print(fit(f"{row.fixed_in_text}: keep the {'shim' if shim else 'workaround'}.", indent="  ", hang="    "))
+        keep = "workaround" if not shim or warns_only else "shim"
+        print(fit(f"{row.fixed_in_text}: keep the {keep}.", indent="  ", hang="    "))
     return EXIT_OK
 
 

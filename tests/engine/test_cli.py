@@ -80,6 +80,9 @@ def test_explain_a_shim_shows_its_module_targets_and_the_range_of_each_row(capsy
     assert code == 0 and "warns about: device-map-auto-generate-hang-grpo" in out and "fixes:" not in out
     code, out, _ = run_cli(capsys, "explain", "--json", "launcher-sharding-guard")
     assert json.loads(out)["repairs"] is False
+    code, out, _ = run_cli(capsys, "explain", "device-map-auto-generate-hang-grpo")  # its row
+    flat = " ".join(out.split())
+    assert "launcher-sharding-guard, which warns only" in flat and flat.endswith("keep the workaround.")
 
 
 def test_matrix_fits_100_columns_and_keeps_each_range_whole(capsys):
@@ -153,16 +156,15 @@ def test_plan_decides_arming_as_explain_does_targets_for_other_versions_included
 
     elsewhere = tuple(Target(t.module, t.qualname, when={"accelerate": ">=999"}, expect_params=t.expect_params,
                              wrapper=t.wrapper) for t in module.SHIM.targets)
-    monkeypatch.setattr(module, "SHIM", module.SHIM.replace(targets=elsewhere))
     monkeypatch.setenv("DEVMAP_SHIMS_FORCE", "device-map-balance")
-    assert plan.shim_armed() == (False, "")
-    armed, why, switch = armed_here(module.SHIM, True)
-    assert (armed, switch) == (False, "") and why.startswith("its targets are for other versions: ")
-    monkeypatch.setenv("DEVMAP_SHIMS_DISABLE", "device-map-balance")
-    assert plan.shim_armed() == (False, "DEVMAP_SHIMS_DISABLE=device-map-balance")
-    monkeypatch.undo()
-    monkeypatch.setenv("DEVMAP_SHIMS_FORCE", "device-map-balance")  # its own targets: forced on
-    assert plan.shim_armed() == (True, "")
+    with monkeypatch.context() as patched:
+        patched.setattr(module, "SHIM", module.SHIM.replace(targets=elsewhere))
+        assert plan.shim_armed() == (False, "")
+        armed, why, switch = armed_here(module.SHIM, True)
+        assert (armed, switch) == (False, "") and why.startswith("its targets are for other versions: ")
+        patched.setenv("DEVMAP_SHIMS_DISABLE", "device-map-balance")
+        assert plan.shim_armed() == (False, "DEVMAP_SHIMS_DISABLE=device-map-balance")
+    assert plan.shim_armed() == (True, "")  # its own targets: forced on
 
 
 def test_doctor_json(capsys):

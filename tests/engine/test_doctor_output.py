@@ -219,7 +219,8 @@ def test_a_shim_that_only_warns_counts_its_rows_as_warned_about_not_fixed(doctor
             "applicability": "a-hang: affected (x 1 in >=1)",
             "state": "active", "call_failures": 0, "targets": [],
         })
-        data["applicable_rows"].append({"id": "a-hang", "shim": "a-guard"})
+        row = {"id": "a-hang", "shim": "a-guard", "workaround": "load one copy per rank"}
+        data["applicable_rows"].insert(0, row)  # first: the list of unfixed rows is cut at 3 lines
         return data, "\n".join(report(data))
 
     def first_line_counts(data, text):
@@ -235,6 +236,8 @@ def test_a_shim_that_only_warns_counts_its_rows_as_warned_about_not_fixed(doctor
     assert warned >= 1 and first.endswith(f"; {fixed} fixed by active shims, {warned} warned about")
     assert reason(data["shims"][-1]) == "warns only: a-hang"  # its line, where shims get lines of their own
     assert "a-hang (shim a-guard warns only)" in " ".join(text.split())  # the list may wrap
+    verbose = " ".join(" ".join(verbose_report(data)).split())
+    assert "a-hang [a-guard, which warns only: load one copy per rank]" in verbose
     data, text = doctor_with_a_guard(repairs=True)
     fixed_too, warned_less, first = first_line_counts(data, text)
     assert (fixed_too, warned_less) == (fixed + 1, warned - 1)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
-    from typing import Any, Callable, Dict, List, Tuple
+    from typing import Any, Callable, Dict, Tuple
 
 from devmap_shims.calls import argument
 from devmap_shims.scenarios import BugObserved, scenario

@@ -293,7 +293,6 @@ def test_a_params4bit_move_checks_its_state_once(shim, monkeypatch, nested):
 
 @SIM
 def test_a_state_aligned_for_another_device_or_another_state_is_checked_again(no_shim):
-    original_to = vars(Params4bit)["to"]
     param = params4bit(weight(), "cuda:0", compress_statistics=True)
     other = params4bit(weight(seed=1), "cuda:0", compress_statistics=True)
     original_qs_to = vars(QuantState)["to"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from devmap_shims.cli._output import EXIT_OK, WIDTH, elide, print_json, wrap
 from devmap_shims.shims.config import flag
@@ -174,7 +174,7 @@ def report(data: Dict[str, Any], max_lines: int = MAX_LINES) -> List[str]:
     shims = data["shims"]
     rows = data["applicable_rows"]
     active = {s["id"] for s in shims if s["state"] == "active"}
-    warns_only = {s["id"] for s in shims if s["state"] == "active" and not s.get("repairs", True)}
+    warns_only = active & _warns_only(shims)
     fixed = [r for r in rows if r["shim"] in active - warns_only]
     warned = [r for r in rows if r["shim"] in warns_only]
     unfixed = [r for r in rows if r["shim"] not in active - warns_only]
@@ -216,6 +216,11 @@ def report(data: Dict[str, Any], max_lines: int = MAX_LINES) -> List[str]:
     return lines + tail
 
 
+def _warns_only(shims: List[Dict[str, Any]]) -> Set[str]:
+    """The ids of the shims that warn about their rows and do not repair them (``Shim(repairs=False)``)."""
+    return {s["id"] for s in shims if not s.get("repairs", True)}
+
+
 #: The widest column of shim ids in ``doctor --verbose``.
 NAME_COLUMN = 44
 
@@ -235,7 +240,7 @@ def verbose_report(data: Dict[str, Any]) -> List[str]:
     rows = data["applicable_rows"]
     lines = ["devmap-shims doctor --verbose"] + _heading(data)
     lines += ["", f"Known bugs that apply here ({len(rows)}):"]
-    warns_only = {s["id"] for s in data["shims"] if not s.get("repairs", True)}
+    warns_only = _warns_only(data["shims"])
     for row in rows:
         shim = row["shim"]
         text = f"{row['id']} [{shim or 'no shim: ' + row['workaround']}]"

@@ -18,7 +18,9 @@ bnb = pytest.importorskip("bitsandbytes")
 import devmap_shims  # noqa: E402
 from devmap_shims.compat_matrix import load_matrix  # noqa: E402
 from devmap_shims.shims.engine import ENGINE  # noqa: E402
+from devmap_shims.hooks.bitsandbytes.int8_state_follows_weight import BUG_ID as INT8_BUG  # noqa: E402
 from devmap_shims.testing.models.causal_lm import (  # noqa: E402
+    dtype_kwargs,
     greedy_generate,
     sample_input_ids,
     save_tiny_causal_lm,
@@ -33,7 +35,6 @@ pytestmark = [
     ),
 ]
 
-INT8_BUG = "bnb-int8-stats-stay-on-old-device"
 NEW_TOKENS = 6
 
 
@@ -59,9 +60,8 @@ def _load(path, bits: int) -> Any:
         )
     else:
         quant = BitsAndBytesConfig(load_in_8bit=True)
-    dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     return AutoModelForCausalLM.from_pretrained(
-        path, device_map="auto", quantization_config=quant, **{dtype_kw: torch.float16}
+        path, device_map="auto", quantization_config=quant, **dtype_kwargs(torch.float16)
     )
 
 
@@ -133,7 +133,8 @@ def test_an_8bit_llama_moved_to_the_cpu_generates_only_with_the_shims_where_the_
     fails (the error, or a CUDA error at the next synchronization)."""
     if not version_in(transformers.__version__, ">=5.0.0"):
         pytest.skip(f"transformers {transformers.__version__} refuses to move an 8-bit model")
-    applies = load_matrix().get(INT8_BUG).applies(installed_versions(load_matrix().distributions()))
+    matrix = load_matrix()
+    applies = matrix.get(INT8_BUG).applies(installed_versions(matrix.distributions()))
     plain = _plain_8bit_on_the_cpu(saved_llama)
     print("without the shims, on the CPU:", plain["cpu"]["tokens"], "| then synchronize:", plain["sync"])
     assert plain["gpu"]["strays"] == [] and isinstance(plain["gpu"]["tokens"][0], list)

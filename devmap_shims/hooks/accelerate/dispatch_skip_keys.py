@@ -118,10 +118,10 @@ def fp16_checkpoint() -> str:
 def dtype_kwargs() -> Dict[str, Any]:
     """``torch_dtype=float16`` as in the report; transformers 5 renamed it ``dtype``."""
     import torch
-    import transformers
 
-    major = int(transformers.__version__.split(".")[0])
-    return {"dtype": torch.float16} if major >= 5 else {"torch_dtype": torch.float16}
+    from devmap_shims.testing.models.causal_lm import dtype_kwargs as for_this_transformers
+
+    return for_this_transformers(torch.float16)
 
 
 @scenario(

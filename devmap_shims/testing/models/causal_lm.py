@@ -188,6 +188,15 @@ def _save_kwargs(save_pretrained: Any) -> dict[str, Any]:
     return {"safe_serialization": True} if "safe_serialization" in params else {}
 
 
+def dtype_kwargs(dtype: torch.dtype) -> dict[str, Any]:
+    """The keyword that gives ``from_pretrained`` / ``from_config`` a dtype: ``torch_dtype`` on
+    transformers 4, ``dtype`` on 5, which renamed it."""
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    return {"dtype": dtype} if major >= 5 else {"torch_dtype": dtype}
+
+
 def save_tiny_causal_lm(arch: str, path: str | os.PathLike[str], **kwargs: Any) -> Path:
     """Build :func:`tiny_causal_lm` ``(arch, **kwargs)`` and save it (safetensors) to ``path``.
 

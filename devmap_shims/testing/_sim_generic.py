@@ -19,7 +19,7 @@ import torch
 import torch.utils._device as _device_module
 
 from . import _sim_state as S
-from ._sim_device_checks import check_mixed
+from ._sim_op_checks import check_mixed
 from ._sim_devices import Target, parse_device
 from ._sim_generators import default_generator, generator_device
 from ._sim_operands import tensor_operands, torch_functions

@@ -1,0 +1,319 @@
+"""Which of CUDA's device checks each op takes, and :func:`check_mixed`, which runs them.
+
+Ops whose generated kernel wrapper checks argument by argument name the argument in their error;
+their argument lists, in schema order, with the wrapper's name, are in :data:`EXACT_CHECKS`
+(verified against torch 2.11 on an NVIDIA H200; every wrapper name is in the binaries of each torch
+the project pins). Ops with a message of their own or their own CPU-scalar rule are in
+:mod:`._sim_kernel_checks`; the rest check the way TensorIterator does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from devmap_shims.calls import argument_at
+
+from ._sim_device_checks import check_exact, check_ti
+from ._sim_devices import device_key
+from ._sim_kernel_checks import CPU_SCALARS, OWN_MESSAGES
+from ._sim_operands import torch_functions
+
+_storage_id = torch._C._storage_id
+_Tensor = torch.Tensor
+_real_device_get = torch._C.TensorBase.device.__get__
+
+
+# ---------------------------------------------------------------------------------------------
+# argument-by-argument checks: (argument name, operand) pairs in schema order, and the method name
+# ---------------------------------------------------------------------------------------------
+def _self_and(args, kwargs, name: str, method: str):
+    """``(self, name)`` of a two-operand method such as ``mm(self, mat2)``."""
+    return [
+        ("self", argument_at(args, kwargs, 0, "input", "self")),
+        (name, argument_at(args, kwargs, 1, name)),
+    ], method
+
+
+def _exact_index_select(args, kwargs):
+    return [
+        ("self", argument_at(args, kwargs, 0, "input", "self")),
+        ("index", argument_at(args, kwargs, 2, "index")),
+    ], "wrapper_CUDA__index_select"
+
+
+def _exact_torch_embedding(args, kwargs):  # torch.embedding(weight, indices, ...)
+    return [
+        ("self", argument_at(args, kwargs, 0, "weight")),
+        ("index", argument_at(args, kwargs, 1, "indices")),
+    ], "wrapper_CUDA__index_select"
+
+
+def _exact_f_embedding(args, kwargs):  # F.embedding(input, weight, ...)
+    return [
+        ("self", argument_at(args, kwargs, 1, "weight")),
+        ("index", argument_at(args, kwargs, 0, "input")),
+    ], "wrapper_CUDA__index_select"
+
+
+def _exact_mm(args, kwargs):
+    return _self_and(args, kwargs, "mat2", "wrapper_CUDA_mm")
+
+
+def _exact_bmm(args, kwargs):
+    return _self_and(args, kwargs, "mat2", "wrapper_CUDA_bmm")
+
+
+def _exact_addmm(args, kwargs):
+    return [
+        ("self", argument_at(args, kwargs, 0, "input", "self")),
+        ("mat1", argument_at(args, kwargs, 1, "mat1")),
+        ("mat2", argument_at(args, kwargs, 2, "mat2")),
+    ], "wrapper_CUDA_addmm"
+
+
+def _exact_baddbmm(args, kwargs):
+    return [
+        ("self", argument_at(args, kwargs, 0, "input", "self")),
+        ("batch1", argument_at(args, kwargs, 1, "batch1")),
+        ("batch2", argument_at(args, kwargs, 2, "batch2")),
+    ], "wrapper_CUDA_baddbmm"
+
+
+def _exact_cat(args, kwargs):
+    tensors = argument_at(args, kwargs, 0, "tensors")
+    return [("tensors", t) for t in (tensors or ())], "wrapper_CUDA_cat"
+
+
+def _exact_equal(args, kwargs):
+    return _self_and(args, kwargs, "other", "wrapper_CUDA__equal")
+
+
+def _exact_bucketize(args, kwargs):  # bucketize.Tensor(Tensor self, Tensor boundaries, *, ...)
+    return [
+        ("self", argument_at(args, kwargs, 0, "input", "self")),
+        ("boundaries", argument_at(args, kwargs, 1, "boundaries")),
+    ], "wrapper_CUDA_Tensor_bucketize"
+
+
+def _exact_masked_scatter(args, kwargs):
+    # masked_scatter (composite) expands the mask and calls masked_scatter_, whose wrapper checks all three
+    return [
+        ("self", argument_at(args, kwargs, 0, "input", "self")),
+        ("mask", argument_at(args, kwargs, 1, "mask")),
+        ("source", argument_at(args, kwargs, 2, "source")),
+    ], "wrapper_CUDA__masked_scatter_"
+
+
+def _matmul_named(a: Any, b: Any):
+    if not (isinstance(a, _Tensor) and isinstance(b, _Tensor)):
+        return None
+    da, db = a.dim(), b.dim()
+    if db == 2 and da >= 2:  # mm, folding the batch dimensions of a
+        return [("self", a), ("mat2", b)], "wrapper_CUDA_mm"
+    if da >= 3 and db >= 3:
+        return [("self", a), ("mat2", b)], "wrapper_CUDA_bmm"
+    return None
+
+
+def _exact_matmul(args, kwargs):
+    return _matmul_named(argument_at(args, kwargs, 0, "input", "self"), argument_at(args, kwargs, 1, "other"))
+
+
+def _exact_rmatmul(args, kwargs):
+    return _matmul_named(argument_at(args, kwargs, 1, "other"), argument_at(args, kwargs, 0, "self"))
+
+
+def _exact_linear(args, kwargs):
+    x = argument_at(args, kwargs, 0, "input")
+    w = argument_at(args, kwargs, 1, "weight")
+    b = argument_at(args, kwargs, 2, "bias")
+    if not (isinstance(x, _Tensor) and isinstance(w, _Tensor)):
+        return None
+    if isinstance(b, _Tensor):
+        if x.dim() == 2 or (x.dim() == 3 and x.is_contiguous()):
+            return [("self", b), ("mat1", x), ("mat2", w)], "wrapper_CUDA_addmm"
+        named = _matmul_named(x, w)
+        if named is not None:  # matmul first, then TensorIterator's output.add_(bias)
+            common = check_exact(*named)
+            keys = [common, device_key(b)]
+            check_ti([x, b], keys, first_is_output=True)
+        return None
+    return _matmul_named(x, w)
+
+
+def _in_place(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _indexed(base: str, third: Optional[str]):
+    """``op(self, dim, index, <third>)``: gather, scatter, scatter_add, index_add..., with the wrapper
+    named after the functional or in-place overload; None (TensorIterator's check) for ``out=`` and
+    the legacy ``scatter(reduce=)``."""
+
+    def spec(args, kwargs, func):
+        if "out" in kwargs or (base == "scatter" and argument_at(args, kwargs, 4, "reduce") is not None):
+            return None
+        named = [
+            ("self", argument_at(args, kwargs, 0, "input", "self")),
+            ("index", argument_at(args, kwargs, 2, "index")),
+        ]
+        overload = ""
+        if third is not None:
+            other = argument_at(args, kwargs, 3, third, "value")
+            if base == "scatter":  # scatter.src or scatter.value
+                overload = "_src" if isinstance(other, _Tensor) else "_value"
+            named.append((third, other))
+        name = base + ("_" if _in_place(func) else "")
+        if base == "scatter_reduce":
+            name += "_two"
+        return named, f"wrapper_CUDA_{name}{overload}"
+
+    return spec
+
+
+def _exact_clamp(args, kwargs, func):
+    """``clamp``/``clip`` with tensor bounds (``clamp.Tensor``); number bounds take TensorIterator's."""
+    lo, hi = argument_at(args, kwargs, 1, "min"), argument_at(args, kwargs, 2, "max")
+    if "out" in kwargs or not (isinstance(lo, _Tensor) or isinstance(hi, _Tensor)):
+        return None
+    named = [("self", argument_at(args, kwargs, 0, "input", "self")), ("min", lo), ("max", hi)]
+    return named, "wrapper_CUDA_clamp_Tensor" if not _in_place(func) else "wrapper_CUDA_clamp__Tensor"
+
+
+def _bound(which: str):
+    def spec(args, kwargs, func):  # clamp_min(self, min) / clamp_max(self, max) with a tensor bound
+        bound = argument_at(args, kwargs, 1, which)
+        if "out" in kwargs or not isinstance(bound, _Tensor):
+            return None
+        method = f"wrapper_CUDA_clamp_{which}_{'_' if _in_place(func) else ''}Tensor"
+        return [("self", argument_at(args, kwargs, 0, "input", "self")), (which, bound)], method
+
+    return spec
+
+
+def _exact_nll(args, kwargs, func):
+    """``nll_loss`` and ``cross_entropy`` with class indices (log_softmax runs on the input first):
+    ``nll_loss_forward`` for inputs of up to 2 dims, else ``nll_loss2d_forward``."""
+    x, target = argument_at(args, kwargs, 0, "input", "self"), argument_at(args, kwargs, 1, "target")
+    if not (isinstance(x, _Tensor) and isinstance(target, _Tensor)) or target.is_floating_point():
+        return None
+    two_d = func is torch._C._nn.nll_loss2d or x.dim() > 2
+    named = [("self", x), ("target", target), ("weight", argument_at(args, kwargs, 2, "weight"))]
+    return named, "wrapper_CUDA__nll_loss2d_forward" if two_d else "wrapper_CUDA_nll_loss_forward"
+
+
+def _norm(method: str, weight_at: int):
+    def spec(args, kwargs, func):  # native_layer_norm / native_group_norm(input, ..., weight, bias)
+        return [
+            ("input", argument_at(args, kwargs, 0, "input")),
+            ("weight", argument_at(args, kwargs, weight_at, "weight")),
+            ("bias", argument_at(args, kwargs, weight_at + 1, "bias")),
+        ], method
+
+    return spec
+
+
+def _exact_searchsorted(args, kwargs, func):  # searchsorted.Tensor(sorted_sequence, self, *, ..., sorter)
+    values = argument_at(args, kwargs, 1, "input", "self")
+    if "out" in kwargs or not isinstance(values, _Tensor):
+        return None
+    return [
+        ("sorted_sequence", argument_at(args, kwargs, 0, "sorted_sequence")),
+        ("self", values),
+        ("sorter", kwargs.get("sorter")),
+    ], "wrapper_CUDA_Tensor_searchsorted"
+
+
+def _exact_einsum(args, kwargs, func):
+    """Two operands sharing a summed index: ``sumproduct_pair`` contracts them with ``bmm``; without
+    one it multiplies them (TensorIterator's check)."""
+    equation = argument_at(args, kwargs, 0, "equation")
+    operands = list(args[1:]) if len(args) > 2 else list(argument_at(args, kwargs, 1, "operands") or ())
+    if not isinstance(equation, str) or len(operands) != 2 or "." in equation:
+        return None
+    lhs, _, rhs = equation.replace(" ", "").partition("->")
+    inputs = lhs.split(",")
+    if len(inputs) != 2:
+        return None
+    if not _:  # implicit output: the indices that appear once, in alphabetical order
+        rhs = "".join(sorted(c for c in set(lhs) if c.isalpha() and lhs.count(c) == 1))
+    if not any(c in inputs[1] and c not in rhs for c in inputs[0]):
+        return None
+    return [("self", operands[0]), ("mat2", operands[1])], "wrapper_CUDA_bmm"
+
+
+EXACT_CHECKS: Dict[Any, Callable] = {}
+for _fs, _fn in (
+    (torch_functions("index_select"), _exact_index_select),
+    (torch_functions("mm"), _exact_mm),
+    (torch_functions("bmm"), _exact_bmm),
+    (torch_functions("addmm"), _exact_addmm),
+    (torch_functions("baddbmm"), _exact_baddbmm),
+    (torch_functions("cat", "concat", "concatenate", "stack", "hstack", "vstack"), _exact_cat),
+    (torch_functions("equal"), _exact_equal),
+    (torch_functions("bucketize"), _exact_bucketize),
+    (torch_functions("masked_scatter", "masked_scatter_"), _exact_masked_scatter),
+    (torch_functions("matmul", "__matmul__"), _exact_matmul),
+    (torch_functions("__rmatmul__"), _exact_rmatmul),
+    ([torch.embedding], _exact_torch_embedding),
+    ([F.embedding], _exact_f_embedding),
+    ([F.linear, torch._C._nn.linear], _exact_linear),
+):
+    for _f in _fs:
+        EXACT_CHECKS[_f] = lambda args, kwargs, func, _fn=_fn: _fn(args, kwargs)
+for _names, _spec in (
+    (("gather",), _indexed("gather", None)),
+    (("scatter", "scatter_"), _indexed("scatter", "src")),
+    (("scatter_add", "scatter_add_"), _indexed("scatter_add", "src")),
+    (("scatter_reduce", "scatter_reduce_"), _indexed("scatter_reduce", "src")),
+    (("index_add", "index_add_"), _indexed("index_add", "source")),
+    (("index_copy", "index_copy_"), _indexed("index_copy", "source")),
+    (("clamp", "clamp_", "clip", "clip_"), _exact_clamp),
+    (("clamp_min", "clamp_min_"), _bound("min")),
+    (("clamp_max", "clamp_max_"), _bound("max")),
+    (("nll_loss", "nll_loss_nd", "nll_loss2d", "cross_entropy", "cross_entropy_loss"), _exact_nll),
+    (("layer_norm", "native_layer_norm"), _norm("wrapper_CUDA__native_layer_norm", 2)),
+    (("group_norm", "native_group_norm"), _norm("wrapper_CUDA__native_group_norm", 2)),
+    (("searchsorted",), _exact_searchsorted),
+    (("einsum",), _exact_einsum),
+):
+    for _f in torch_functions(*_names):
+        EXACT_CHECKS[_f] = _spec
+
+
+def check_mixed(
+    func: Any, args: Sequence[Any], kwargs: Dict[str, Any], ts: List[torch.Tensor], keys: List[Any]
+) -> Tuple[Any, Optional[set]]:
+    """Operands on different devices: CUDA's checks; returns (common simulated index or None, untagged sids)."""
+    real_keys = [k if k is not None else _real_device_get(t) for t, k in zip(ts, keys)]
+    if all(k is None for k in keys):
+        return None, None
+    own = OWN_MESSAGES.get(func)
+    if own is not None:
+        own(args, kwargs)
+    exact = EXACT_CHECKS.get(func)
+    spec = exact(args, kwargs, func) if exact is not None else None
+    if spec is not None:
+        common = check_exact(*spec)
+    else:  # TensorIterator: outputs first (in-place self, out=)
+        first_is_output = _in_place(func) or kwargs.get("out") is not None
+        scalars, kernel = CPU_SCALARS.get(func, (1, None))
+        common = check_ti(ts, real_keys, first_is_output, scalars)
+        if kernel is not None:
+            kernel(args, kwargs, common)
+    skip = {
+        sid for t, k in zip(ts, keys) if k is None for sid in (_storage_id_or_none(t),) if sid is not None
+    }
+    return (common if isinstance(common, int) else None), skip or None
+
+
+def _storage_id_or_none(t: Any) -> Any:
+    """The storage key of ``t``; None for tensors without a storage (vmap's batched tensors)."""
+    try:
+        return _storage_id(t)
+    except (RuntimeError, TypeError):  # NotImplementedError: "Cannot access storage of BatchedTensorImpl"
+        return None

@@ -54,10 +54,25 @@ RANDOM_FACTORIES = set(torch_functions("randn", "rand", "randint", "randperm", "
 # random ops on existing tensors that take a generator: they draw from the simulated device's generator
 RANDOM_ON_TENSORS = set(
     torch_functions(
-        "multinomial", "normal_", "uniform_", "bernoulli", "bernoulli_", "exponential_", "random_",
+        "multinomial", "normal", "normal_", "uniform_", "bernoulli", "bernoulli_", "exponential_", "random_",
         "geometric_", "log_normal_", "cauchy_",
     )
 )
+
+
+def _take_a_generator(names: Sequence[str]) -> List[Any]:
+    """The ``*_like`` factories that take ``generator=`` in the torch that runs (2.15 does, 2.9 does not)."""
+    found = []
+    for f in torch_functions(*names):
+        try:
+            f(torch.empty(1), *((2,) if f.__name__ == "randint_like" else ()), generator=torch.Generator())
+        except TypeError:
+            continue
+        found.append(f)
+    return found
+
+
+RANDOM_ON_TENSORS.update(_take_a_generator(("rand_like", "randn_like", "randint_like")))
 
 
 def _strip_pin(kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
@@ -227,11 +242,16 @@ def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
     if mixed:
         common, skip = check_mixed(func, args, kwargs, ts, keys)
     if common is None:  # nothing on a simulated GPU (or a real non-CPU device leads): run as is
+        if func in RANDOM_ON_TENSORS and kwargs.get("generator") is not None and _real_is_cpu(ts[0]):
+            _check_generator(kwargs, _CPU)  # a simulated GPU's generator for a CPU tensor
         return func(*args, **kwargs)
 
-    if func in RANDOM_ON_TENSORS and kwargs.get("generator") is None:
-        kwargs = dict(kwargs)
-        kwargs["generator"] = default_generator(common)
+    if func in RANDOM_ON_TENSORS:
+        if kwargs.get("generator") is None:
+            kwargs = dict(kwargs)
+            kwargs["generator"] = default_generator(common)
+        else:
+            _check_generator(kwargs, common)
     if S.SAVED_HOOKS:  # saved-tensor hooks see the op's new outputs on its device
         out = _run_announcing(func, args, kwargs, common, ts)
     else:

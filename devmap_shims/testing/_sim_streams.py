@@ -8,6 +8,7 @@ from typing import Any, Dict, Tuple
 
 import torch
 
+from . import _sim_state as S
 from ._sim_devices import index_of
 
 
@@ -78,7 +79,8 @@ class SimulatedStream(*_STREAM_BASES):  # type: ignore[misc]
 
 
 class SimulatedEvent(*_EVENT_BASES):  # type: ignore[misc]
-    """An inert CUDA event (``elapsed_time`` is 0.0)."""
+    """An inert CUDA event: ``elapsed_time`` is 0.0 between two recorded timing events, and raises
+    as CUDA's does otherwise (aten/src/ATen/cuda/CUDAEvent.h ``elapsed_time``)."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
         self.enable_timing = enable_timing
@@ -97,6 +99,17 @@ class SimulatedEvent(*_EVENT_BASES):  # type: ignore[misc]
         pass
 
     def elapsed_time(self, end_event: Any) -> float:
+        timing = self.enable_timing and getattr(end_event, "enable_timing", False)
+        recorded = self._recorded and getattr(end_event, "_recorded", False)
+        if S.TORCH_VERSION >= (2, 8):  # pytorch/pytorch#151404: both checked first, as ValueError
+            if not timing:
+                raise ValueError("Both events must be created with argument 'enable_timing=True'.")
+            if not recorded:
+                raise ValueError("Both events must be recorded before calculating elapsed time.")
+        if not recorded:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        if not timing:  # cudaEventElapsedTime refuses an event made with cudaEventDisableTiming
+            raise RuntimeError("CUDA error: invalid resource handle")
         return 0.0
 
     def __repr__(self) -> str:
@@ -144,8 +157,6 @@ def set_stream(stream: Any) -> None:
     that GPU's current stream."""
     if stream is None:
         return
-    from . import _sim_state as S
-
     S.MACHINE._set_current(stream.device_index)
     _current()[stream.device_index] = stream
 

@@ -209,7 +209,8 @@ def _h_index(func, args, kwargs):
                     f"indices should be either on cpu or on the same device as the indexed tensor ({fmt_device(own)})"
                 )
     if func is _TensorBase.__setitem__ and len(args) > 2 and advanced(index, idxs):
-        check_put_value(self, idxs, args[2])  # x[mask] = v, x[idx] = v: advanced, so index_put_
+        # x[mask] = v, x[idx] = v: advanced, so index_put_
+        check_put_value(self, idxs, args[2], setitem=True)
     out = func(*args, **kwargs)
     if isinstance(own, int):
         tag_all(out, own)

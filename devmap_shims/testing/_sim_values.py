@@ -5,7 +5,7 @@ they do not.
   except a 0-dim one, and one CPU element under a mask on ``x``'s device (``_index_put_impl_``).
 * ``where``: a 0-dim operand moves to the result's device (``where_self_out``).
 * ``fill_`` and ``masked_fill``: a 0-dim value fills by its value (``value.item()``);
-  ``masked_fill``'s mask must be on a CUDA tensor's device, with the kernel's own message.
+  ``masked_fill``'s mask must be on self's device, with the CUDA kernel's own message.
 """
 
 from __future__ import annotations
@@ -37,13 +37,19 @@ def advanced(index: Any, parts: Any) -> bool:
     )
 
 
-def check_put_value(self: torch.Tensor, indices: Any, value: Any, accumulate: bool = False) -> None:
+def check_put_value(
+    self: torch.Tensor, indices: Any, value: Any, accumulate: bool = False, setitem: bool = False
+) -> None:
     """``index_put_``'s value must be on self's device, except a 0-dim one (copied over) and a
     one-element CPU value under one mask on self's device (filled in by ``masked_fill_`` with
     ``value.item()``, never when accumulating): aten/src/ATen/native/TensorAdvancedIndexing.cpp
     ``_index_put_impl_``, then the TensorIterator of ``make_index_put_iterator``, or on CUDA with
-    ``accumulate=True`` the check before ``index_put_with_sort``."""
+    ``accumulate=True`` the check before ``index_put_with_sort``. ``x[idx] = v`` (``setitem``) first
+    drops ``v``'s leading 1-dims (ATen/TensorIndexing.h ``slicePrefix1sSize``): a one-element value
+    of any shape arrives 0-dim."""
     if not isinstance(value, _Tensor) or value.dim() == 0:
+        return
+    if setitem and all(d == 1 for d in value.shape):
         return
     own, other = device_key(self), device_key(value)
     if other == own:
@@ -57,7 +63,7 @@ def check_put_value(self: torch.Tensor, indices: Any, value: Any, accumulate: bo
     elif (value.numel() == 1 and not off_cpu(other) and len(tensors) == 1
             and tensors[0].dtype in _MASK_DTYPES and device_key(tensors[0]) == own):
         return
-    raise ti_mismatch(own, other)
+    raise ti_mismatch(own, other) if off_cpu(own) else ti_mismatch(other, own)  # the first off the CPU
 
 
 def _zero_dim_to(value: Any, key: Any) -> Any:
@@ -100,13 +106,13 @@ def h_fill(func, args, kwargs):
 
 
 def h_masked_fill(func, args, kwargs):
-    """``masked_fill(mask, value)``: a CUDA tensor's mask must be on its device, with the kernel's own
-    message (the op's generated device check is off); a 0-dim value fills by its value, from any
-    device into a CUDA tensor, and only from the CPU into a CPU one."""
+    """``masked_fill(mask, value)``: the mask must be on self's device when either is on a GPU, with
+    the CUDA kernel's own message (the op's generated device check is off); a 0-dim value fills by
+    its value, from any device into a CUDA tensor, and only from the CPU into a CPU one."""
     names = ("self" if func is not torch.masked_fill else "input", "mask", "value")
     self, mask, value = (argument_at(args, kwargs, i, name) for i, name in enumerate(names))
     own = device_key(self)
-    if isinstance(own, int) and isinstance(mask, _Tensor) and device_key(mask) != own:
+    if isinstance(mask, _Tensor) and device_key(mask) != own and (off_cpu(own) or off_cpu(device_key(mask))):
         raise RuntimeError(
             "expected self and mask to be on the same device, but got mask on "
             f"{fmt_device(device_key(mask))} and self on {fmt_device(own)}"

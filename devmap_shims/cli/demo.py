@@ -169,7 +169,8 @@ def bug_entry(
     here), ``workaround-only`` (applies, no shim), ``problem`` (a replay went wrong) or
     ``not-affected`` (with ``not_affected_reason`` and ``replayed``: ``works``, ``skipped`` for
     the time budget, ``unavailable`` or None when it has no scenario). ``shim_warns_only``: the
-    shim is in ``warns_only``, the ids of shims that warn about their rows and do not repair them."""
+    shim is in ``warns_only``, the ids of shims that warn about their rows and do not repair them,
+    and no switch keeps it off (then it does not even warn)."""
     affected, why = applicability
     verdicts = [r["verdict"] for r in replays]
     ran = [v for v in verdicts if v != "unavailable"]
@@ -208,7 +209,7 @@ def bug_entry(
         "fixed_in": row.fixed_in_text,
         "shim": shim,
         "shim_summary": summary_of.get(shim) if shim else None,
-        "shim_warns_only": shim in warns_only if shim else False,
+        "shim_warns_only": bool(shim) and shim in warns_only and not off,
         "workaround": " ".join(row.workaround.split()) or None,
         "scenarios": [r["scenario"] for r in replays],
         "replayed": replayed,

@@ -164,6 +164,26 @@ def test_a_row_whose_shim_only_warns_is_warned_about_not_fixed_and_shows_its_wor
     assert "workaround:" not in text and _closing_numbers(text) == [1, 0, 1, 0, 0, 0]
 
 
+def test_a_warning_shim_switched_off_does_not_read_as_warning():
+    """DEVMAP_SHIMS_DISABLE=launcher-sharding-guard: the shim neither warns nor repairs, so its row
+    reads as a shim kept off by that switch, not as "warns"."""
+    row = MATRIX.get("device-map-auto-generate-hang-grpo")
+    replay = {
+        "bug_id": row.id, "scenario": "s", "title": row.title, "affected_here": True, "applicability": "",
+        "shim": SHIM_OF[row.id], "verdict": "unavailable", "switched_off_by": "DEVMAP_SHIMS_DISABLE",
+        "without_shims": {"ok": False, "detail": "needs two processes", "seconds": 0.0, "unavailable": True},
+        "with_shims": None,
+    }
+    off = demo.bug_entry(row, (True, "in range"), VERSIONS, SHIM_OF[row.id], SUMMARY_OF, [replay], False,
+                         warns_only=WARNS_ONLY)
+    assert (off["status"], off["shim_warns_only"]) == ("shim-not-replayed", False)
+    assert off["not_replayed_because"] == "DEVMAP_SHIMS_DISABLE switches the shim off"
+    assert demo.summarize([off])["warned_only"] == 0
+    text = demo.render([off], [replay], VERSIONS)
+    assert not re.search(r"^\S warns ", text, re.M), text
+    assert re.search(rf"^\S shim  {re.escape(row.id)}$", text, re.M), text
+
+
 def test_wrapping_never_cuts_a_version_range_or_a_name_from_its_version():
     texts = [f"affects {row.affected_text} and is fixed in {row.fixed_in_text}" for row in MATRIX.rows]
     for width in (40, 57, 100):  # the longest range is 25 characters

@@ -83,8 +83,9 @@ def shim_of_rows(shims: Iterable[Shim]) -> Dict[str, str]:
 def armed_here(shim: Shim, applies: bool) -> Tuple[bool, str, str]:
     """Would ``install()`` arm ``shim`` in this environment? ``(armed, why, switch)``: ``why`` says
     what decides it (the switches ``DEVMAP_SHIMS=0``, ``DEVMAP_SHIMS_DISABLE`` and
-    ``DEVMAP_SHIMS_FORCE``; ``applies``, whether a row it fixes applies here; the versions its
-    targets are limited to), and ``switch`` names the variable that keeps it off, or is empty.
+    ``DEVMAP_SHIMS_FORCE``; ``applies``, whether a row it fixes (or warns about) applies here; the
+    versions its targets are limited to), and ``switch`` names the variable that keeps it off, or
+    is empty.
     ``plan`` and ``explain`` ask; ``install()`` itself decides target by target as it arms."""
     from devmap_shims.shims.config import read_settings
     from devmap_shims.versions import installed_versions, satisfies
@@ -102,4 +103,6 @@ def armed_here(shim: Shim, applies: bool) -> Tuple[bool, str, str]:
     forced = f"DEVMAP_SHIMS_FORCE={shim.id}"
     if shim.id in settings.force:
         return True, f"{forced} arms it{'' if applies else ' though none of its rows applies'}", ""
-    return (True, "a row it fixes applies", "") if applies else (False, f"{forced} arms it anyway", "")
+    if not applies:
+        return False, f"{forced} arms it anyway", ""
+    return True, f"a row it {'fixes' if shim.repairs else 'warns about'} applies", ""

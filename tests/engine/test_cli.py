@@ -167,6 +167,19 @@ def test_plan_decides_arming_as_explain_does_targets_for_other_versions_included
     assert plan.shim_armed() == (True, "")  # its own targets: forced on
 
 
+def test_armed_here_says_a_shim_that_only_warns_warns(monkeypatch):
+    """launcher-sharding-guard cannot fix the hang of its row: explain must not say it fixes it."""
+    from devmap_shims.shims import Shim, Target
+    from devmap_shims.shims.catalog import armed_here
+
+    for name in ("DEVMAP_SHIMS", "DEVMAP_SHIMS_DISABLE", "DEVMAP_SHIMS_FORCE"):
+        monkeypatch.delenv(name, raising=False)
+    targets = (Target("json", "dumps"),)
+    assert armed_here(Shim("warner", ("row",), targets, repairs=False), True) == (
+        True, "a row it warns about applies", "")
+    assert armed_here(Shim("fixer", ("row",), targets), True) == (True, "a row it fixes applies", "")
+
+
 def test_doctor_json(capsys):
     code, out, _ = run_cli(capsys, "doctor", "--json", "--no-import", "--no-devices")
     data = json.loads(out)

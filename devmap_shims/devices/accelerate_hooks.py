@@ -6,8 +6,10 @@ TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/r
 if TYPE_CHECKING:
     from typing import Any, List
 
-#: the methods dispatch_model guards with "You shouldn't move a model that is dispatched using accelerate hooks"
-GUARDED_METHODS = ("to", "cuda", "npu", "xpu", "mlu", "musa")
+#: the methods dispatch_model guards with "You shouldn't move a model that is dispatched using accelerate hooks":
+#: ``to`` and the machine's device method (accelerate 1.15 big_modeling.py; ``sdaa`` and ``neuron`` in
+#: recent releases)
+GUARDED_METHODS = ("to", "cuda", "npu", "xpu", "mlu", "sdaa", "musa", "neuron")
 
 
 def hooks_of(module: Any) -> List[Any]:

@@ -147,3 +147,21 @@ def test_a_failing_retarget_leaves_accelerates_move_and_switches_the_shim_off(st
         assert {t["state"] for t in entry["targets"]} == {"failed"}
     finally:
         devmap_shims.uninstall()
+
+
+def test_every_method_dispatch_model_guards_is_one_the_shim_follows():
+    """dispatch_model guards `to` and the one device method of the machine (cuda, npu, mlu, sdaa,
+    musa, xpu, neuron...): the shim and remove_hooks must know each name the installed accelerate
+    uses, or a model dispatched on that machine keeps hooks that the move left behind."""
+    import inspect
+    import re
+
+    import accelerate.big_modeling
+    import accelerate.hooks
+
+    from devmap_shims.devices.accelerate_hooks import GUARDED_METHODS
+
+    guarded = set(re.findall(r"model\.(\w+) = add_warning\(", inspect.getsource(accelerate.big_modeling)))
+    guarded |= set(getattr(accelerate.hooks, "_accelerate_added_attributes", ()))
+    assert {"to", "cuda"} <= guarded, "dispatch_model no longer guards model.to / model.cuda this way"
+    assert guarded <= set(GUARDED_METHODS), sorted(guarded - set(GUARDED_METHODS))

@@ -62,38 +62,43 @@ def movable(model: Any) -> bool:
     return is_8bit_model(model) and bnb_moves_8bit() and not any_offloading(model)
 
 
-def move_8bit_model(model: Any, device: Any, non_blocking: bool = False) -> Any:
+def move_8bit_model(model: Any, device: Any, non_blocking: bool = False, memory_format: Any = None) -> Any:
     """Move an 8-bit model whole: alignment hooks off, weights moved, ``Linear8bitLt`` state re-pointed."""
     import torch
 
     if any_hooks(model):  # the model itself included
         remove_hooks(model)
-    torch.nn.Module.to(model, device, non_blocking=non_blocking)
+    if memory_format is None:
+        torch.nn.Module.to(model, device, non_blocking=non_blocking)
+    else:  # the model's unquantized 4-D weights (a UNet's convolutions) take it, as Module.to gives it
+        torch.nn.Module.to(model, device, non_blocking=non_blocking, memory_format=memory_format)
     for module in model.modules():
         if is_int8_linear(module):
             align_int8_state(module)
     return model
 
 
-def _device_of_to_call(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Optional[Any], bool]:
-    """The device and ``non_blocking`` of a ``Module.to(...)`` call that names a device and no
-    dtype; else ``(None, False)``. (A ``memory_format`` only reaches 4-D and 5-D tensors, which an
-    8-bit model's int8 weights are not.)"""
+def _device_of_to_call(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Optional[Any], bool, Any]:
+    """The device, ``non_blocking`` and ``memory_format`` of a ``Module.to(...)`` call that names a
+    device and no dtype; else ``(None, False, None)``. (A ``memory_format`` only reaches 4-D and 5-D
+    tensors: an 8-bit model's unquantized convolutions, never its int8 weights.)"""
     import torch
 
     try:
-        device, dtype, non_blocking, _format = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
     except (TypeError, ValueError, RuntimeError):
-        return None, False
-    return (device, bool(non_blocking)) if dtype is None else (None, False)
+        return None, False, None
+    return (device, bool(non_blocking), memory_format) if dtype is None else (None, False, None)
 
 
 def move_model_to(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """``ModelMixin.to``: an 8-bit model is moved instead of refused."""
-    device, non_blocking = _device_of_to_call(args, kwargs) if is_8bit_model(instance) else (None, False)
+    device, non_blocking, memory_format = (
+        _device_of_to_call(args, kwargs) if is_8bit_model(instance) else (None, False, None)
+    )
     if device is None or not movable(instance):
         return wrapped(*args, **kwargs)
-    return move_8bit_model(instance, device, non_blocking)
+    return move_8bit_model(instance, device, non_blocking, memory_format)
 
 
 def move_model_cuda(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

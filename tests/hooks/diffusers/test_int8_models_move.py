@@ -123,6 +123,18 @@ def test_with_the_shim_model_to_keeps_non_blocking(shim):
         assert sum(copies.seen) >= len(list(transformer.parameters())), copies.seen
 
 
+def test_with_the_shim_model_to_keeps_memory_format(shim):
+    """``unet.to("cuda:1", memory_format=torch.channels_last)``: an 8-bit model's unquantized 4-D
+    weights (a UNet's convolutions; here one added to the Flux transformer) take the format asked."""
+    with simulated_gpus(2, memory="1GiB"), torch.no_grad():
+        transformer = flux.load_8bit_transformer(PATH)
+        transformer.conv = torch.nn.Conv2d(4, 8, 3)
+        transformer.to("cuda:1", memory_format=torch.channels_last)
+        assert {str(p.device) for p in transformer.parameters()} == {"cuda:1"}
+        assert transformer.conv.weight.is_contiguous(memory_format=torch.channels_last)
+        assert not any(int8_state_off_device(m) for m in int8_layers(transformer))
+
+
 def test_an_offloaded_model_is_left_to_diffusers():
     class Hook:
         offload = True

@@ -232,7 +232,8 @@ def _exact_einsum(args, kwargs, func):
     """Two operands sharing a summed index: ``sumproduct_pair`` contracts them with ``bmm``; without
     one it multiplies them (TensorIterator's check)."""
     equation = argument_at(args, kwargs, 0, "equation")
-    operands = list(args[1:]) if len(args) > 2 else list(argument_at(args, kwargs, 1, "operands") or ())
+    given = args[1:] if len(args) > 2 else argument_at(args, kwargs, 1, "operands")
+    operands = list(given) if isinstance(given, (list, tuple)) else []
     if not isinstance(equation, str) or len(operands) != 2 or "." in equation:
         return None
     lhs, _, rhs = equation.replace(" ", "").partition("->")

@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from devmap_shims.testing import simulated_gpus  # noqa: E402
 from devmap_shims.testing._sim_state import TORCH_VERSION  # noqa: E402
+from test_simulator import _outcome as outcome  # noqa: E402 - (error type, first line) or ("ok", device)
 
 G = "cuda:0"
 TI = "Expected all tensors to be on the same device, but found at least two devices, {} and {}!"
@@ -353,14 +354,6 @@ SCENARIOS = {
     ),
 }
 ON_HARDWARE_ONLY = {"elapsed_time_timed"}  # a real elapsed time is not 0.0
-
-
-def outcome(fn):
-    try:
-        out = fn()
-    except Exception as e:  # noqa: BLE001 - the outcome is what is compared
-        return type(e).__name__, str(e).split("\n")[0]
-    return "ok", str(out.device) if isinstance(out, torch.Tensor) else repr(out)
 
 
 def simulated(fn):

@@ -47,7 +47,7 @@ LIST_FACTORIES = set(torch_functions("tensor", "as_tensor"))
 SIZE_METHODS = set(
     torch_functions(
         "expand", "view", "reshape", "repeat", "tile", "broadcast_to", "unflatten", "permute",
-        "new_empty", "new_zeros", "new_ones",
+        "new_empty", "new_zeros", "new_ones", "resize_as_",
     )
 )
 RANDOM_FACTORIES = set(torch_functions("randn", "rand", "randint", "randperm", "normal"))
@@ -55,7 +55,7 @@ RANDOM_FACTORIES = set(torch_functions("randn", "rand", "randint", "randperm", "
 RANDOM_ON_TENSORS = set(
     torch_functions(
         "multinomial", "normal", "normal_", "uniform_", "bernoulli", "bernoulli_", "exponential_", "random_",
-        "geometric_", "log_normal_", "cauchy_",
+        "geometric_", "log_normal_", "cauchy_", "poisson", "binomial",
     )
 )
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from devmap_shims.calls import argument_at
 
 from ._sim_device_checks import check_exact, check_ti
-from ._sim_devices import device_key
+from ._sim_devices import device_key, fmt_device
 from ._sim_kernel_checks import CPU_SCALARS, OWN_MESSAGES
 from ._sim_operands import torch_functions
 
@@ -155,7 +155,9 @@ def _indexed(base: str, third: Optional[str]):
     the legacy ``scatter(reduce=)``."""
 
     def spec(args, kwargs, func):
-        if "out" in kwargs or (base == "scatter" and argument_at(args, kwargs, 4, "reduce") is not None):
+        if kwargs.get("out") is not None:
+            return None
+        if base == "scatter" and argument_at(args, kwargs, 4, "reduce") is not None:
             return None
         named = [
             ("self", argument_at(args, kwargs, 0, "input", "self")),
@@ -178,7 +180,7 @@ def _indexed(base: str, third: Optional[str]):
 def _exact_clamp(args, kwargs, func):
     """``clamp``/``clip`` with tensor bounds (``clamp.Tensor``); number bounds take TensorIterator's."""
     lo, hi = argument_at(args, kwargs, 1, "min"), argument_at(args, kwargs, 2, "max")
-    if "out" in kwargs or not (isinstance(lo, _Tensor) or isinstance(hi, _Tensor)):
+    if kwargs.get("out") is not None or not (isinstance(lo, _Tensor) or isinstance(hi, _Tensor)):
         return None
     named = [("self", argument_at(args, kwargs, 0, "input", "self")), ("min", lo), ("max", hi)]
     return named, "wrapper_CUDA_clamp_Tensor" if not _in_place(func) else "wrapper_CUDA_clamp__Tensor"
@@ -187,7 +189,7 @@ def _exact_clamp(args, kwargs, func):
 def _bound(which: str):
     def spec(args, kwargs, func):  # clamp_min(self, min) / clamp_max(self, max) with a tensor bound
         bound = argument_at(args, kwargs, 1, which)
-        if "out" in kwargs or not isinstance(bound, _Tensor):
+        if kwargs.get("out") is not None or not isinstance(bound, _Tensor):
             return None
         method = f"wrapper_CUDA_clamp_{which}_{'_' if _in_place(func) else ''}Tensor"
         return [("self", argument_at(args, kwargs, 0, "input", "self")), (which, bound)], method
@@ -219,13 +221,42 @@ def _norm(method: str, weight_at: int):
 
 def _exact_searchsorted(args, kwargs, func):  # searchsorted.Tensor(sorted_sequence, self, *, ..., sorter)
     values = argument_at(args, kwargs, 1, "input", "self")
-    if "out" in kwargs or not isinstance(values, _Tensor):
+    if kwargs.get("out") is not None or not isinstance(values, _Tensor):
         return None
-    return [
-        ("sorted_sequence", argument_at(args, kwargs, 0, "sorted_sequence")),
-        ("self", values),
-        ("sorter", kwargs.get("sorter")),
-    ], "wrapper_CUDA_Tensor_searchsorted"
+    seq = argument_at(args, kwargs, 0, "sorted_sequence")
+    named = [("sorted_sequence", seq), ("self", values)]
+    sorter = kwargs.get("sorter")
+    if isinstance(sorter, _Tensor) and isinstance(seq, _Tensor) and device_key(sorter) != device_key(seq):
+        check_exact(named, "wrapper_CUDA_Tensor_searchsorted")  # the wrapper's check comes first
+        raise RuntimeError(  # aten/src/ATen/native/BucketizationUtils.h searchsorted_pre_check
+            "torch.searchsorted(): sorter and boundary tensors should have same device type, but got sorter "
+            f"tensor device type {fmt_device(device_key(sorter))} and input value tensor device type "
+            f"{fmt_device(device_key(seq))}"
+        )
+    return named, "wrapper_CUDA_Tensor_searchsorted"
+
+
+def _plain(method: str, *params: str):
+    """Tensors at the first positions, in schema order: ``"name"`` or ``"name=keyword"`` (the name the
+    message gives, the keyword the call may use; ``self`` is also ``input``). None with ``out=``."""
+
+    def spec(args, kwargs, func):
+        if kwargs.get("out") is not None:
+            return None
+        named = []
+        for i, param in enumerate(params):
+            name, _, keyword = param.partition("=")
+            keywords = (keyword,) if keyword else ("input", "self") if name == "self" else (name,)
+            named.append((name, argument_at(args, kwargs, i, *keywords)))
+        return named, method
+
+    return spec
+
+
+def _exact_diff(args, kwargs, func):  # diff(input, n, dim, prepend, append): cat([prepend, input, append])
+    parts = (argument_at(args, kwargs, 3, "prepend"), argument_at(args, kwargs, 0, "input"),
+             argument_at(args, kwargs, 4, "append"))
+    return [("tensors", t) for t in parts], "wrapper_CUDA_cat"
 
 
 def _exact_einsum(args, kwargs, func):
@@ -281,9 +312,28 @@ for _names, _spec in (
     (("group_norm", "native_group_norm"), _norm("wrapper_CUDA__native_group_norm", 2)),
     (("searchsorted",), _exact_searchsorted),
     (("einsum",), _exact_einsum),
+    (("index_reduce", "index_reduce_"), _indexed("index_reduce", "source")),
+    (("masked_select",), _plain("wrapper_CUDA__masked_select", "self", "mask")),
+    (("isin",), _plain("wrapper_CUDA_isin_Tensor_Tensor", "elements", "test_elements")),
+    (("polar",), _plain("wrapper_CUDA_out_polar_out", "abs", "angle")),
+    (("complex",), _plain("wrapper_CUDA_out_complex_out", "real", "imag")),
+    (("normal",), _plain("wrapper_CUDA_Tensor_Tensor_normal", "mean", "std")),
+    (("take",), _plain("wrapper_CUDA__take", "self", "index")),
+    (("put", "put_"), _plain("wrapper_CUDA__put_", "self", "index", "source")),
+    (("bincount",), _plain("wrapper_CUDA__bincount", "self", "weights")),
+    (("dot",), _plain("wrapper_CUDA__dot", "self", "tensor")),
+    (("prelu",), _plain("wrapper_CUDA___prelu_kernel", "self", "weight")),
+    (("addmv",), _plain("wrapper_CUDA_addmv", "self", "mat", "vec")),
+    (("addmv_",), _plain("wrapper_CUDA_addmv_", "self", "mat", "vec")),
+    (("addr",), _plain("wrapper_CUDA__addr", "self", "vec1", "vec2")),
+    (("cross",), _plain("wrapper_CUDA_linalg_cross", "self", "other")),
+    (("tensordot",), _plain("wrapper_CUDA_mm", "self=a", "mat2=b")),  # both reshaped to 2-D, then mm
+    (("repeat_interleave",), _plain("wrapper_CUDA__index_select", "self", "index=repeats")),  # index_select
+    (("diff",), _exact_diff),
 ):
     for _f in torch_functions(*_names):
         EXACT_CHECKS[_f] = _spec
+EXACT_CHECKS[torch.linalg.cross] = EXACT_CHECKS[torch.cross]
 
 
 def check_mixed(

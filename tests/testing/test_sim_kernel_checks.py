@@ -209,6 +209,90 @@ SCENARIOS = {
     ),
     "einsum_elementwise": (lambda: torch.einsum("i,i->i", c(2), torch.ones(2)), ti()),
     "einsum_outer": (lambda: torch.einsum("i,j->ij", c(2), torch.ones(2)), ti()),
+    "index_reduce__cpu_source": (
+        lambda: torch.zeros(3, device=G).index_reduce_(0, torch.tensor([0], device=G), torch.ones(1), "prod"),
+        on_cpu("source", "wrapper_CUDA_index_reduce_"),
+    ),
+    "masked_select_cpu_mask": (
+        lambda: torch.masked_select(c(2), torch.tensor([True, False])),
+        on_cpu("mask", "wrapper_CUDA__masked_select"),
+    ),
+    "masked_select_cpu0_mask": (
+        lambda: torch.masked_select(c(2), torch.tensor(True)),
+        on_cpu("mask", "wrapper_CUDA__masked_select"),
+    ),
+    "isin_cpu0": (
+        lambda: torch.isin(c(3), torch.tensor(1.0)),
+        on_cpu("test_elements", "wrapper_CUDA_isin_Tensor_Tensor"),
+    ),
+    "isin_cpu_elements": (
+        lambda: torch.isin(torch.ones(3), torch.tensor([1.0], device=G)),
+        on_gpu("test_elements", "wrapper_CUDA_isin_Tensor_Tensor"),
+    ),
+    "repeat_interleave_cpu0_repeats": (  # repeats become an index_select's index
+        lambda: torch.repeat_interleave(c(2), torch.tensor(2)),
+        on_cpu("index", "wrapper_CUDA__index_select"),
+    ),
+    "repeat_interleave_cpu_repeats": (
+        lambda: torch.repeat_interleave(c(2), torch.tensor([1, 2])),
+        on_cpu("index", "wrapper_CUDA__index_select"),
+    ),
+    "polar_cpu0_angle": (lambda: torch.polar(c(2), cpu0()), on_cpu("angle", "wrapper_CUDA_out_polar_out")),
+    "complex_cpu0_imag": (
+        lambda: torch.complex(c(2), cpu0()),
+        on_cpu("imag", "wrapper_CUDA_out_complex_out"),
+    ),
+    "normal_cpu0_std": (
+        lambda: torch.normal(c(2), cpu0()),
+        on_cpu("std", "wrapper_CUDA_Tensor_Tensor_normal"),
+    ),
+    "take_cpu_index": (lambda: torch.take(c(3), torch.tensor([0])), on_cpu("index", "wrapper_CUDA__take")),
+    "put__cpu_index": (
+        lambda: torch.zeros(3, device=G).put_(torch.tensor([0]), c(1)),
+        on_cpu("index", "wrapper_CUDA__put_"),
+    ),
+    "bincount_cpu_weights": (
+        lambda: torch.bincount(torch.tensor([0, 1], device=G), weights=torch.ones(2)),
+        on_cpu("weights", "wrapper_CUDA__bincount"),
+    ),
+    "dot_cpu": (lambda: torch.dot(c(2), torch.ones(2)), on_cpu("tensor", "wrapper_CUDA__dot")),
+    "linalg_cross_cpu": (
+        lambda: torch.linalg.cross(c(3), torch.ones(3)),
+        on_cpu("other", "wrapper_CUDA_linalg_cross"),
+    ),
+    "prelu_cpu_weight": (
+        lambda: F.prelu(c(2, 2), torch.ones(1)),
+        on_cpu("weight", "wrapper_CUDA___prelu_kernel"),
+    ),
+    "addmv_cpu_vec": (lambda: torch.addmv(c(2), c(2, 2), torch.ones(2)), on_cpu("vec", "wrapper_CUDA_addmv")),
+    "addr_cpu_vec2": (lambda: torch.addr(c(2, 2), c(2), torch.ones(2)), on_cpu("vec2", "wrapper_CUDA__addr")),
+    "tensordot_cpu": (
+        lambda: torch.tensordot(c(2, 2), torch.ones(2, 2), dims=1),
+        on_cpu("mat2", "wrapper_CUDA_mm"),
+    ),
+    "diff_cpu_prepend": (  # cat([prepend, input])
+        lambda: torch.diff(c(2), prepend=torch.ones(1)),
+        on_gpu("tensors", "wrapper_CUDA_cat"),
+    ),
+    "searchsorted_cpu_sorter": (
+        lambda: torch.searchsorted(c(3), c(2), sorter=torch.tensor([0, 1, 2])),
+        (
+            "RuntimeError",
+            "torch.searchsorted(): sorter and boundary tensors should have same device type, but "
+            "got sorter tensor device type cpu and input value tensor device type cuda:0",
+        ),
+    ),
+    # ops that read only the other tensor's shape
+    "resize_as__cpu": (lambda: c(2).resize_as_(torch.ones(3)), ok()),
+    "view_as_cpu": (lambda: c(2).view_as(torch.ones(2)), ok()),
+    "expand_as_cpu": (lambda: c(1).expand_as(torch.ones(3)), ok()),
+    "masked_fill_one_element_value": (  # a shape error before any device check
+        lambda: c(2).masked_fill(torch.tensor([True, False], device=G), torch.ones(1)),
+        (
+            "RuntimeError",
+            "masked_fill_ only supports a 0-dimensional value tensor, but got tensor with 1 dimension(s).",
+        ),
+    ),
     # messages of the kernels' own
     "conv2d_cpu_weight": (
         lambda: F.conv2d(c(1, 1, 3, 3), torch.ones(1, 1, 1, 1)),
@@ -326,6 +410,10 @@ SCENARIOS = {
     "uniform__on_cpu_cuda_generator": (
         lambda: torch.ones(2).uniform_(generator=torch.Generator(device=G)),
         ("RuntimeError", "Expected a 'cpu' device type for generator but found 'cuda'"),
+    ),
+    "poisson_cpu_generator": (
+        lambda: torch.poisson(c(2), generator=torch.Generator()),
+        ("RuntimeError", "Expected a 'cuda' device type for generator but found 'cpu'"),
     ),
     "normal__cuda_generator_ok": (lambda: c(2).normal_(generator=torch.Generator(device=G)), ok()),
     # x[idx] = v drops v's leading 1-dims: a one-element value arrives 0-dim and is copied over

@@ -4,8 +4,9 @@
   convolutions (a CUDA input with a weight or bias of another type), ``scaled_dot_product_attention``
   (query, key and value on different devices) and ``take_along_dim``.
 * :data:`CPU_SCALARS`: TensorIterator ops that take no CPU scalar, or only in one argument:
-  ``addcdiv``, the losses that broadcast their target first (``mse_loss``, ``l1_loss``...) and
-  ``addcmul``, which since pytorch/pytorch#143264 takes one as ``tensor2`` only.
+  ``addcdiv``, ``mse_loss``, the losses that broadcast their target first (``l1_loss``...: a
+  broadcast scalar is none) and ``addcmul``, which since pytorch/pytorch#143264 takes one as
+  ``tensor2`` only.
 
 Each entry raises the kernel's error or returns None, and the op's other checks still run
 (:func:`._sim_op_checks.check_mixed`). Messages as printed by torch 2.11 on an NVIDIA H200; the
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from devmap_shims.calls import argument_at
 
 from . import _sim_state as S
+from ._sim_device_checks import ti_mismatch
 from ._sim_devices import device_key, fmt_device, off_cpu
 from ._sim_operands import torch_functions
 
@@ -107,10 +109,21 @@ def _addcmul(args, kwargs, common: Any) -> None:
         )
 
 
+def _broadcast_target(args, kwargs, common: Any) -> None:
+    """``l1_loss``, ``smooth_l1_loss``, ``huber_loss`` broadcast input and target first: a 0-dim CPU
+    one expanded to the other's shape is no scalar any more (of the same shape it stays one)."""
+    x, y = argument_at(args, kwargs, 0, "input", "self"), argument_at(args, kwargs, 1, "target")
+    if off_cpu(common) and isinstance(x, _Tensor) and isinstance(y, _Tensor) and x.shape != y.shape:
+        if _cpu_scalar(x) or _cpu_scalar(y):
+            raise ti_mismatch(common, torch.device("cpu"))
+
+
 # func -> (CPU scalars TensorIterator lets in, the kernel's own check of them or None)
 CPU_SCALARS: Dict[Any, Any] = {}
-for _f in torch_functions("addcdiv", "addcdiv_", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss"):
+for _f in torch_functions("addcdiv", "addcdiv_", "mse_loss"):  # mse_loss: even two 0-dim operands
     CPU_SCALARS[_f] = (0, None)
+for _f in torch_functions("l1_loss", "smooth_l1_loss", "huber_loss"):
+    CPU_SCALARS[_f] = (1, _broadcast_target)
 for _f in torch_functions("addcmul", "addcmul_"):
     # pytorch/pytorch#143264: in the wheels after 2.6 (2.6 refuses any, as addcdiv does)
     CPU_SCALARS[_f] = (1, _addcmul) if S.TORCH_VERSION >= (2, 7) else (0, None)

@@ -165,8 +165,8 @@ def _indexed(base: str, third: Optional[str]):
         ]
         overload = ""
         if third is not None:
-            other = argument_at(args, kwargs, 3, third, "value")
-            if base == "scatter":  # scatter.src or scatter.value
+            other = argument_at(args, kwargs, 3, third)
+            if base == "scatter":  # scatter.value reads a value= tensor with .item()
                 overload = "_src" if isinstance(other, _Tensor) else "_value"
             named.append((third, other))
         name = base + ("_" if _in_place(func) else "")
@@ -178,12 +178,16 @@ def _indexed(base: str, third: Optional[str]):
 
 
 def _exact_clamp(args, kwargs, func):
-    """``clamp``/``clip`` with tensor bounds (``clamp.Tensor``); number bounds take TensorIterator's."""
+    """``clamp``/``clip`` with tensor bounds (``clamp.Tensor``); a number among the bounds selects
+    ``clamp.Scalar``, which reads a 0-dim tensor bound with ``.item()``: only ``self`` is checked."""
     lo, hi = argument_at(args, kwargs, 1, "min"), argument_at(args, kwargs, 2, "max")
     if kwargs.get("out") is not None or not (isinstance(lo, _Tensor) or isinstance(hi, _Tensor)):
         return None
-    named = [("self", argument_at(args, kwargs, 0, "input", "self")), ("min", lo), ("max", hi)]
-    return named, "wrapper_CUDA_clamp_Tensor" if not _in_place(func) else "wrapper_CUDA_clamp__Tensor"
+    method = "wrapper_CUDA_clamp_Tensor" if not _in_place(func) else "wrapper_CUDA_clamp__Tensor"
+    x = argument_at(args, kwargs, 0, "input", "self")
+    if any(b is not None and not isinstance(b, _Tensor) for b in (lo, hi)):
+        return [("self", x)], method
+    return [("self", x), ("min", lo), ("max", hi)], method
 
 
 def _bound(which: str):
@@ -309,7 +313,8 @@ for _names, _spec in (
     (("clamp_max", "clamp_max_"), _bound("max")),
     (("nll_loss", "nll_loss_nd", "nll_loss2d", "cross_entropy", "cross_entropy_loss"), _exact_nll),
     (("layer_norm", "native_layer_norm"), _norm("wrapper_CUDA__native_layer_norm", 2)),
-    (("group_norm", "native_group_norm"), _norm("wrapper_CUDA__native_group_norm", 2)),
+    (("group_norm",), _norm("wrapper_CUDA__native_group_norm", 2)),  # (input, num_groups, weight, bias)
+    (("native_group_norm",), _norm("wrapper_CUDA__native_group_norm", 1)),  # (input, weight, bias, N...)
     (("searchsorted",), _exact_searchsorted),
     (("einsum",), _exact_einsum),
     (("index_reduce", "index_reduce_"), _indexed("index_reduce", "source")),
@@ -336,6 +341,11 @@ for _names, _spec in (
 EXACT_CHECKS[torch.linalg.cross] = EXACT_CHECKS[torch.cross]
 
 
+#: keywords that only take numbers (``addcdiv_(..., value=)``, ``add(..., alpha=)``, ``addmm(..., beta=)``):
+#: torch's argument parser reads a 0-dim tensor given there with ``.item()``, so it is no operand
+NUMBER_KEYWORDS = ("value", "alpha", "beta")
+
+
 def check_mixed(
     func: Any, args: Sequence[Any], kwargs: Dict[str, Any], ts: List[torch.Tensor], keys: List[Any]
 ) -> Tuple[Any, Optional[set]]:
@@ -352,8 +362,13 @@ def check_mixed(
         common = check_exact(*spec)
     else:  # TensorIterator: outputs first (in-place self, out=)
         first_is_output = _in_place(func) or kwargs.get("out") is not None
-        scalars, kernel = CPU_SCALARS.get(func, (1, None))
-        common = check_ti(ts, real_keys, first_is_output, scalars)
+        numbers = [id(v) for k, v in kwargs.items() if k in NUMBER_KEYWORDS and isinstance(v, _Tensor)]
+        pairs = [(t, k) for t, k in zip(ts, real_keys) if id(t) not in numbers]
+        inputs = len(pairs) - first_is_output
+        # one kernel with two inputs (binary and comparison ops) takes one CPU scalar; the rest is a
+        # composite function or a kernel of its own, whose count is CPU_SCALARS' or unknown (any)
+        scalars, kernel = CPU_SCALARS.get(func, (1 if inputs <= 2 else len(pairs), None))
+        common = check_ti([t for t, _ in pairs], [k for _, k in pairs], first_is_output, scalars)
         if kernel is not None:
             kernel(args, kwargs, common)
     skip = {

@@ -192,6 +192,10 @@ def bug_entry(
         replayed = "unavailable"
     not_replayed_because = None
     off = next((r["switched_off_by"] for r in replays if r.get("switched_off_by")), None)
+    if off is None and shim and not replays:  # no replay asked the switches: ask them here
+        from devmap_shims.shims.config import read_settings
+
+        off = read_settings().switched_off(shim) or None
     if status == "shim-not-replayed" and off:
         not_replayed_because = f"{off} switches the shim off"
     elif status == "shim-not-replayed":

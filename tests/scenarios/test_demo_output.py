@@ -184,6 +184,15 @@ def test_a_warning_shim_switched_off_does_not_read_as_warning():
     assert re.search(rf"^\S shim  {re.escape(row.id)}$", text, re.M), text
 
 
+def test_a_warning_shim_switched_off_on_a_row_without_replays_does_not_read_as_warning(monkeypatch):
+    monkeypatch.setenv("DEVMAP_SHIMS_DISABLE", "launcher-sharding-guard")
+    row = MATRIX.get("device-map-auto-generate-hang-grpo")
+    off = demo.bug_entry(row, (True, "in range"), VERSIONS, SHIM_OF[row.id], SUMMARY_OF, [], False,
+                         warns_only=WARNS_ONLY)
+    assert off["shim_warns_only"] is False
+    assert off["not_replayed_because"] == "DEVMAP_SHIMS_DISABLE=launcher-sharding-guard switches the shim off"
+
+
 def test_wrapping_never_cuts_a_version_range_or_a_name_from_its_version():
     texts = [f"affects {row.affected_text} and is fixed in {row.fixed_in_text}" for row in MATRIX.rows]
     for width in (40, 57, 100):  # the longest range is 25 characters

@@ -6,6 +6,7 @@ ops on existing tensors, ``x[idx] = v`` with a one-element value, and CUDA event
 
 Each scenario's outcome on a real ``cuda:0`` (torch 2.11, NVIDIA H200) is what the simulated one
 must give here, with the wording of the torch that runs; ``-m gpu`` compares the two on hardware.
+The outcomes of :data:`NOT_YET_ON_A_GPU` follow from torch's schemas and have not run on one yet.
 """
 
 from __future__ import annotations
@@ -442,6 +443,48 @@ SCENARIOS = {
     ),
 }
 ON_HARDWARE_ONLY = {"elapsed_time_timed"}  # a real elapsed time is not 0.0
+
+
+def _adam_step_with_a_tensor_lr():
+    p = torch.nn.Parameter(c(2))
+    p.grad = c(2)
+    torch.optim.Adam([p], lr=torch.tensor(0.01), foreach=False).step()  # addcdiv_(..., value=tensor)
+    return p
+
+
+# Calls that CUDA accepts because torch's argument parser reads a 0-dim tensor as a number, or runs
+# each CPU scalar in a kernel of its own; from torch's schemas and dispatch, not yet run on a GPU.
+SCENARIOS.update(
+    {
+        "addcdiv__cpu0_value": (lambda: c(2).addcdiv_(c(2), c(2), value=cpu0()), ok()),
+        "add_cpu0_other_and_alpha": (lambda: torch.add(c(2), cpu0(), alpha=cpu0()), ok()),
+        "adam_tensor_lr_single_tensor": (_adam_step_with_a_tensor_lr, ok()),
+        "bce_logits_cpu0_weight_and_pos_weight": (
+            lambda: F.binary_cross_entropy_with_logits(c(2), c(2), weight=cpu0(), pos_weight=cpu0()),
+            ok(),
+        ),
+        "clamp_number_and_cpu0_bound": (lambda: c(2).clamp(0.0, cpu0()), ok()),
+        "scatter_cpu0_value_keyword": (
+            lambda: torch.zeros(3, device=G).scatter(0, torch.tensor([0], device=G), value=cpu0()),
+            ok(),
+        ),
+        "l1_loss_0dim_both": (lambda: F.l1_loss(c(()), cpu0()), ok()),
+        "native_group_norm_cpu_weight": (
+            lambda: torch.native_group_norm(c(1, 2, 2), torch.ones(2), c(2), 1, 2, 2, 1, 1e-5)[0],
+            on_cpu("weight", "wrapper_CUDA__native_group_norm"),
+        ),
+    }
+)
+NOT_YET_ON_A_GPU = {
+    "addcdiv__cpu0_value",
+    "add_cpu0_other_and_alpha",
+    "adam_tensor_lr_single_tensor",
+    "bce_logits_cpu0_weight_and_pos_weight",
+    "clamp_number_and_cpu0_bound",
+    "scatter_cpu0_value_keyword",
+    "l1_loss_0dim_both",
+    "native_group_norm_cpu_weight",
+}
 
 
 def simulated(fn):

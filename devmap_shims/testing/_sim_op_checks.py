@@ -29,14 +29,6 @@ _real_device_get = torch._C.TensorBase.device.__get__
 # ---------------------------------------------------------------------------------------------
 # argument-by-argument checks: (argument name, operand) pairs in schema order, and the method name
 # ---------------------------------------------------------------------------------------------
-def _self_and(args, kwargs, name: str, method: str):
-    """``(self, name)`` of a two-operand method such as ``mm(self, mat2)``."""
-    return [
-        ("self", argument_at(args, kwargs, 0, "input", "self")),
-        (name, argument_at(args, kwargs, 1, name)),
-    ], method
-
-
 def _exact_index_select(args, kwargs):
     return [
         ("self", argument_at(args, kwargs, 0, "input", "self")),
@@ -58,53 +50,9 @@ def _exact_f_embedding(args, kwargs):  # F.embedding(input, weight, ...)
     ], "wrapper_CUDA__index_select"
 
 
-def _exact_mm(args, kwargs):
-    return _self_and(args, kwargs, "mat2", "wrapper_CUDA_mm")
-
-
-def _exact_bmm(args, kwargs):
-    return _self_and(args, kwargs, "mat2", "wrapper_CUDA_bmm")
-
-
-def _exact_addmm(args, kwargs):
-    return [
-        ("self", argument_at(args, kwargs, 0, "input", "self")),
-        ("mat1", argument_at(args, kwargs, 1, "mat1")),
-        ("mat2", argument_at(args, kwargs, 2, "mat2")),
-    ], "wrapper_CUDA_addmm"
-
-
-def _exact_baddbmm(args, kwargs):
-    return [
-        ("self", argument_at(args, kwargs, 0, "input", "self")),
-        ("batch1", argument_at(args, kwargs, 1, "batch1")),
-        ("batch2", argument_at(args, kwargs, 2, "batch2")),
-    ], "wrapper_CUDA_baddbmm"
-
-
 def _exact_cat(args, kwargs):
     tensors = argument_at(args, kwargs, 0, "tensors")
     return [("tensors", t) for t in (tensors or ())], "wrapper_CUDA_cat"
-
-
-def _exact_equal(args, kwargs):
-    return _self_and(args, kwargs, "other", "wrapper_CUDA__equal")
-
-
-def _exact_bucketize(args, kwargs):  # bucketize.Tensor(Tensor self, Tensor boundaries, *, ...)
-    return [
-        ("self", argument_at(args, kwargs, 0, "input", "self")),
-        ("boundaries", argument_at(args, kwargs, 1, "boundaries")),
-    ], "wrapper_CUDA_Tensor_bucketize"
-
-
-def _exact_masked_scatter(args, kwargs):
-    # masked_scatter (composite) expands the mask and calls masked_scatter_, whose wrapper checks all three
-    return [
-        ("self", argument_at(args, kwargs, 0, "input", "self")),
-        ("mask", argument_at(args, kwargs, 1, "mask")),
-        ("source", argument_at(args, kwargs, 2, "source")),
-    ], "wrapper_CUDA__masked_scatter_"
 
 
 def _matmul_named(a: Any, b: Any):
@@ -240,12 +188,14 @@ def _exact_searchsorted(args, kwargs, func):  # searchsorted.Tensor(sorted_seque
     return named, "wrapper_CUDA_Tensor_searchsorted"
 
 
-def _plain(method: str, *params: str):
+def _plain(method: str, *params: str, inputs_with_out: bool = False):
     """Tensors at the first positions, in schema order: ``"name"`` or ``"name=keyword"`` (the name the
-    message gives, the keyword the call may use; ``self`` is also ``input``). None with ``out=``."""
+    message gives, the keyword the call may use; ``self`` is also ``input``). With ``out=``: None
+    (TensorIterator's check), or with ``inputs_with_out`` the inputs' check still (the ops the
+    simulator checked this way first: mm, bmm, addmm, baddbmm, equal, bucketize, masked_scatter)."""
 
     def spec(args, kwargs, func):
-        if kwargs.get("out") is not None:
+        if kwargs.get("out") is not None and not inputs_with_out:
             return None
         named = []
         for i, param in enumerate(params):
@@ -285,14 +235,7 @@ def _exact_einsum(args, kwargs, func):
 EXACT_CHECKS: Dict[Any, Callable] = {}
 for _fs, _fn in (
     (torch_functions("index_select"), _exact_index_select),
-    (torch_functions("mm"), _exact_mm),
-    (torch_functions("bmm"), _exact_bmm),
-    (torch_functions("addmm"), _exact_addmm),
-    (torch_functions("baddbmm"), _exact_baddbmm),
     (torch_functions("cat", "concat", "concatenate", "stack", "hstack", "vstack"), _exact_cat),
-    (torch_functions("equal"), _exact_equal),
-    (torch_functions("bucketize"), _exact_bucketize),
-    (torch_functions("masked_scatter", "masked_scatter_"), _exact_masked_scatter),
     (torch_functions("matmul", "__matmul__"), _exact_matmul),
     (torch_functions("__rmatmul__"), _exact_rmatmul),
     ([torch.embedding], _exact_torch_embedding),
@@ -302,6 +245,16 @@ for _fs, _fn in (
     for _f in _fs:
         EXACT_CHECKS[_f] = lambda args, kwargs, func, _fn=_fn: _fn(args, kwargs)
 for _names, _spec in (
+    (("mm",), _plain("wrapper_CUDA_mm", "self", "mat2", inputs_with_out=True)),
+    (("bmm",), _plain("wrapper_CUDA_bmm", "self", "mat2", inputs_with_out=True)),
+    (("addmm",), _plain("wrapper_CUDA_addmm", "self", "mat1", "mat2", inputs_with_out=True)),
+    (("baddbmm",), _plain("wrapper_CUDA_baddbmm", "self", "batch1", "batch2", inputs_with_out=True)),
+    (("equal",), _plain("wrapper_CUDA__equal", "self", "other", inputs_with_out=True)),
+    # bucketize.Tensor(Tensor self, Tensor boundaries, *, ...)
+    (("bucketize",), _plain("wrapper_CUDA_Tensor_bucketize", "self", "boundaries", inputs_with_out=True)),
+    # masked_scatter (composite) expands the mask and calls masked_scatter_, whose wrapper checks all three
+    (("masked_scatter", "masked_scatter_"),
+     _plain("wrapper_CUDA__masked_scatter_", "self", "mask", "source", inputs_with_out=True)),
     (("gather",), _indexed("gather", None)),
     (("scatter", "scatter_"), _indexed("scatter", "src")),
     (("scatter_add", "scatter_add_"), _indexed("scatter_add", "src")),

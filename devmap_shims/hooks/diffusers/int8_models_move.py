@@ -68,10 +68,8 @@ def move_8bit_model(model: Any, device: Any, non_blocking: bool = False, memory_
 
     if any_hooks(model):  # the model itself included
         remove_hooks(model)
-    if memory_format is None:
-        torch.nn.Module.to(model, device, non_blocking=non_blocking)
-    else:  # the model's unquantized 4-D weights (a UNet's convolutions) take it, as Module.to gives it
-        torch.nn.Module.to(model, device, non_blocking=non_blocking, memory_format=memory_format)
+    # memory_format (None: keep each tensor's) reaches the unquantized 4-D weights, a UNet's convolutions
+    torch.nn.Module.to(model, device, non_blocking=non_blocking, memory_format=memory_format)
     for module in model.modules():
         if is_int8_linear(module):
             align_int8_state(module)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
-    from typing import Any, Dict, List, Tuple
+    from typing import Any, Dict, List, Optional, Tuple
 
 from devmap_shims.shims import importhook
 from devmap_shims.shims.guard import bind_context, guarded_call
@@ -118,6 +118,34 @@ def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
     entry.state = ACTIVE
     entry.reason = "forced outside its range" if not applies else why
     logger().info("%s active on %s (fixes %s)", shim.id, target.key, ", ".join(shim.fixes))
+
+
+def displaced(entry: TargetEntry) -> Optional[str]:
+    """Why the layer of ``entry`` (an active target) no longer runs when its target is called, or
+    None while it does. ``importlib.reload`` of the target's module makes a new class or function
+    without the layer, and an assignment over the attribute replaces it; the layer then only
+    serves objects made before."""
+    import sys
+
+    from devmap_shims.shims import wrapping
+
+    target = entry.target
+    module = sys.modules.get(target.module)
+    if module is None or entry.layer is None:
+        return None  # nothing to compare with: the module left sys.modules
+    try:
+        current = wrapping.resolve(module, target.qualname)[2]
+    except Exception as exc:
+        current, gone = None, f"{type(exc).__name__}: {exc}"
+    else:
+        if wrapping.leads_to(current, entry.layer):
+            return None
+        gone = "its module was reloaded, or the attribute replaced"
+    return (
+        f"{target.key} no longer calls the layer of shim {entry.shim_entry.shim.id!r} ({gone}); "
+        "the library runs unpatched there. Arm it again with devmap_shims.uninstall() then "
+        "devmap_shims.install()."
+    )
 
 
 def wrapper_of(shim: Any, target: Any) -> Any:

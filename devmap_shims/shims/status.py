@@ -14,12 +14,13 @@ if TYPE_CHECKING:
     from typing import Any, Dict, List
 
 from devmap_shims.shims import registry as reg
+from devmap_shims.shims.arming import displaced
 
 SCHEMA_VERSION = 1
 
 
-def _shim_state(entry: reg.ShimEntry) -> str:
-    states = [t.state for t in entry.targets]
+def _shim_state(targets: List[Dict[str, Any]]) -> str:
+    states = [t["state"] for t in targets]
     for state in (reg.FAILED, reg.ACTIVE, reg.PENDING):
         if state in states:
             return state
@@ -47,10 +48,12 @@ def collect(engine: Any) -> Dict[str, Any]:
                 data = target_entry.as_dict()
                 if target_entry.state == reg.PENDING and not_present:  # decided already, armed never
                     data["state"], data["reason"] = reg.SKIPPED, not_present
+                elif target_entry.state == reg.ACTIVE:
+                    gone = displaced(target_entry)
+                    if gone:  # armed, but the name now calls something else: not active for its callers
+                        data.update(state=reg.FAILED, reason="replaced after arming", error=gone)
                 targets.append(data)
-            state = _shim_state(entry)
-            if state == reg.PENDING and not_present:
-                state = reg.SKIPPED
+            state = _shim_state(targets)
             shims.append(
                 {
                     "id": shim_id,

@@ -215,12 +215,7 @@ def splice_out(owner: Any, name: str, layer: Any, original: Any) -> str:
         setattr(owner, name, original)
         return "removed"
     outer = current
-    seen = 0
-    while outer is not None and seen < 64:
-        seen += 1
-        inner = _inner_of(outer)
-        if inner is None:
-            return "absent"
+    for inner in _layers_below(current):
         if inner is layer:
             if _is_wrapt_proxy(outer):
                 outer.__wrapped__ = original
@@ -228,6 +223,23 @@ def splice_out(owner: Any, name: str, layer: Any, original: Any) -> str:
             return "buried"
         outer = inner
     return "absent"
+
+
+def leads_to(current: Any, layer: Any) -> bool:
+    """Whether a call through ``current`` (an attribute's raw value) reaches ``layer``: it is
+    ``layer``, or a wrapper above it that says so through ``__wrapped__`` (wrapt, functools.wraps)."""
+    wanted = callable_of(layer)
+    return any(obj is layer or callable_of(obj) is wanted for obj in (current, *_layers_below(current)))
+
+
+def _layers_below(obj: Any) -> List[Any]:
+    """What ``obj`` wraps, outermost first, through ``__wrapped__`` (at most 64 deep)."""
+    below: List[Any] = []
+    inner = _inner_of(obj)
+    while inner is not None and len(below) < 64:
+        below.append(inner)
+        inner = _inner_of(inner)
+    return below
 
 
 def _inner_of(obj: Any) -> Any:

@@ -547,6 +547,56 @@ def test_status_is_plain_data(fake_stack):
     assert data["versions"]["fakelib"] == "1.2.0"
 
 
+@pytest.mark.parametrize("how", ["reload", "assign"])
+def test_status_says_a_target_reloaded_or_replaced_after_arming_no_longer_runs_the_shim(fake_stack, how):
+    import importlib
+
+    register_fake(target="Thing.to", wrapper=lambda w, i, a, k: "repaired")
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    assert fakelib.core.Thing().to("cuda:1") == "repaired"
+    assert shim_status()["state"] == "active"
+    if how == "reload":
+        importlib.reload(fakelib.core)  # a new Thing class, without the layer
+    else:
+        fakelib.core.Thing.to = lambda self, device: "replaced"
+    assert fakelib.core.Thing().to("cuda:1") != "repaired"
+    state = shim_status()
+    assert state["state"] == "failed"
+    (target,) = state["targets"]
+    assert target["state"] == "failed" and target["reason"] == "replaced after arming"
+    assert "fakelib.core:Thing.to no longer calls the layer of shim 'fake-fix'" in target["error"]
+    assert "devmap_shims.uninstall() then devmap_shims.install()" in target["error"]
+    assert "1 failed: fake-fix" in str(devmap_shims.status())  # the summary counts it as failed
+    devmap_shims.uninstall()
+    devmap_shims.install(only=["fake-fix"])  # what the message says: the new class gets the layer
+    assert fakelib.core.Thing().to("cuda:1") == "repaired"
+    assert shim_status()["state"] == "active"
+
+
+@pytest.mark.parametrize("compile_reachable", [False, True])
+def test_status_keeps_a_target_active_under_a_foreign_wrapper_that_calls_it(fake_stack, compile_reachable):
+    import functools
+
+    register_fake(compile_reachable=compile_reachable)
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    wrapt.wrap_function_wrapper(fakelib.core, "compute", lambda w, i, a, k: w(*a, **k))  # wrapt on top
+    assert fakelib.core.compute(3) == 7
+    assert shim_status()["state"] == "active"
+    below = fakelib.core.compute
+
+    @functools.wraps(below)  # a decorator on top of that: __wrapped__ leads down to the layer
+    def logged(*args, **kwargs):
+        return below(*args, **kwargs)
+
+    fakelib.core.compute = logged
+    assert fakelib.core.compute(3) == 7
+    assert shim_status()["state"] == "active"
+
+
 def test_kill_switch_beats_install(fake_stack, monkeypatch):
     monkeypatch.setenv("DEVMAP_SHIMS", "0")
     register_fake()

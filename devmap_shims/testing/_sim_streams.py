@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 from typing import Any, Dict, Tuple
 
 import torch
@@ -79,15 +80,20 @@ class SimulatedStream(*_STREAM_BASES):  # type: ignore[misc]
 
 
 class SimulatedEvent(*_EVENT_BASES):  # type: ignore[misc]
-    """An inert CUDA event: ``elapsed_time`` is 0.0 between two recorded timing events, and raises
-    as CUDA's does otherwise (aten/src/ATen/cuda/CUDAEvent.h ``elapsed_time``)."""
+    """A CUDA event on a simulated GPU, where every kernel has run by the time the next line does:
+    ``record`` notes the time, so ``elapsed_time`` between two recorded timing events is the wall
+    time between their records in milliseconds (negative for an end recorded first, as CUDA's),
+    the time the simulated work took on the CPU; otherwise it raises as CUDA's does
+    (aten/src/ATen/cuda/CUDAEvent.h ``elapsed_time``)."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
         self.enable_timing = enable_timing
         self._recorded = False
+        self._time = 0.0
 
     def record(self, stream: Any = None) -> None:
         self._recorded = True
+        self._time = time.perf_counter()
 
     def wait(self, stream: Any = None) -> None:
         pass
@@ -110,7 +116,7 @@ class SimulatedEvent(*_EVENT_BASES):  # type: ignore[misc]
             raise RuntimeError("Both events must be recorded before calculating elapsed time.")
         if not timing:  # cudaEventElapsedTime refuses an event made with cudaEventDisableTiming
             raise RuntimeError("CUDA error: invalid resource handle")
-        return 0.0
+        return (end_event._time - self._time) * 1000.0
 
     def __repr__(self) -> str:
         return "<torch.cuda.Event (simulated)>"

@@ -82,8 +82,10 @@ def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
         entry.state, entry.reason = SKIPPED, f"target missing: {exc} (the library changed; shim not applied)"
         return
     existing = wrapping.owned_original(raw)
-    live = any(t.layer is raw and t.state == ACTIVE for t in registry.target_entries())
-    if existing is not None and not live:  # a layer left by an earlier install: keep the first original
+    # a layer of this install (one whose repair failed too: it still holds the attribute and comes
+    # off in turn) is wrapped over; one left by an earlier install is not: keep the first original
+    live = any(t.layer is raw and t.state in (ACTIVE, FAILED) for t in registry.target_entries())
+    if existing is not None and not live:
         raw = existing
     func = wrapping.callable_of(raw)
     if target.expect_params:

@@ -686,6 +686,27 @@ def test_two_shims_on_one_target_stack_and_come_off(fake_stack):
     assert fakelib.core.compute is original
 
 
+def test_a_shim_registered_over_one_whose_repair_failed_stacks_and_both_come_off(fake_stack, caplog):
+    def broken(wrapped, instance, args, kwargs):
+        raise KeyError("bug in the repair")
+
+    import fakelib.core
+
+    original = fakelib.core.compute
+    register_fake(wrapper=broken)
+    devmap_shims.install()
+    assert fakelib.core.compute(3) == 6  # the repair failed: the library's own result, shim off
+    devmap_shims.register(Shim("plus-ten", ("fake-bug",), (Target("fakelib.core", "compute"),),
+                               lambda w, i, a, k: w(*a, **k) + 10))
+    assert fakelib.core.compute(3) == 16
+    states = {s["id"]: s["state"] for s in devmap_shims.status()["shims"]}
+    assert (states["fake-fix"], states["plus-ten"]) == ("failed", "active")
+    caplog.clear()
+    devmap_shims.uninstall()
+    assert fakelib.core.compute is original
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # each layer came off in turn
+
+
 def test_shim_error_from_a_repair_passes_through_unchanged(fake_stack):
     from devmap_shims.shims.registry import ShimError
 

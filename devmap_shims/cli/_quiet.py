@@ -9,6 +9,28 @@ from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from typing import Iterator
 
 
+@contextmanager
+def libraries_silent(silent: bool = True) -> Iterator[None]:
+    """While inside, nothing is logged below CRITICAL and no warning is shown: the libraries a
+    command imports then say nothing (bitsandbytes on a machine without its native library logs an
+    error with a traceback at import; transformers resets its own logger's level as it is first
+    imported, so levels set beforehand would not hold). What was set before comes back after."""
+    if not silent:
+        yield
+        return
+    import logging
+    import warnings
+
+    previous = logging.root.manager.disable
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            logging.disable(logging.ERROR)
+            yield
+    finally:
+        logging.disable(previous)
+
+
 def quiet_libraries() -> None:
     """No progress bar and no library warning in the report: set before the libraries are imported
     (tqdm reads ``TQDM_DISABLE`` when it is imported), and again on the loggers."""

@@ -15,7 +15,8 @@ GPUs (each fully free) and CPU. By default the map is the one you get with devma
 compares the four strategies, each with and without the shims.
 
 What it is doing (importing, building, planning: seconds each) is said on stderr, never on
-stdout; ``--quiet`` silences it. Text output fits 100 columns.
+stdout; ``--quiet`` silences it, and the libraries' own warnings and log lines (bitsandbytes on a
+machine without its native library logs one at import). Text output fits 100 columns.
 
 Exit status: 0 when the map is healthy, 1 when it is degenerate (collapsed, skipped GPU,
 offloaded, imbalanced), 2 for a usage error (unreadable config, not a causal LM, bad topology).
@@ -34,6 +35,7 @@ from devmap_shims.cli._plan_inputs import (
     build_max_memory, default_cpu_memory, parse_caps, quantization_of, read_config_dict, size_of,
 )
 from devmap_shims.cli._plan_text import describe_gpus, render, render_all, wrap
+from devmap_shims.cli._quiet import libraries_silent
 from devmap_shims.planning.sizes import TopologyError, parse_gpus
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -56,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "all: the four side by side, with and without the shims")
     parser.add_argument("--without-shims", action="store_true", help="show the library's own map, unrepaired")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress lines on stderr, and no warning or log line from the libraries")
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -75,6 +78,11 @@ class Progress:
 
 def run(args: argparse.Namespace) -> int:
     say = Progress(getattr(args, "quiet", False))
+    with libraries_silent(say.quiet):  # --quiet: nor the libraries' import-time warnings and logs
+        return _run(args, say)
+
+
+def _run(args: argparse.Namespace, say: Progress) -> int:
     try:
         gpus = parse_gpus(args.gpus)
         cpu = size_of("--cpu-memory", args.cpu_memory) if args.cpu_memory else default_cpu_memory()

@@ -283,6 +283,52 @@ def test_quiet_prints_nothing_on_stderr(capsys, gemma_dir, stack_ready):
     assert code == 0 and "verdict: ok" in out and err == ""
 
 
+def test_quiet_in_a_fresh_process_leaves_stderr_empty(gemma_dir, stack_ready):
+    """Where bitsandbytes has no native library for this machine (legacy-2023, legacy-2024,
+    mid-2025 on a CPU), it logs at import, with a traceback on 0.45-0.46."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "devmap_shims", "plan", str(gemma_dir), "--gpus", "8x23GiB", "--quantization",
+         "4bit", "--json", "-q"], capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0 and json.loads(proc.stdout)["verdict"] == "ok", proc.stdout[:500]
+    assert proc.stderr == ""
+
+
+def test_quiet_silences_library_logs_and_warnings_during_the_run_only(capsys, caplog, gemma_dir, stack_ready,
+                                                                     monkeypatch):
+    import logging
+    import warnings
+
+    from devmap_shims.cli import device_map_step
+
+    real = device_map_step.build_meta_model
+
+    def noisy_build(*args, **kwargs):
+        logging.getLogger("bitsandbytes.cextension").error("Could not load bitsandbytes native library")
+        logging.getLogger("accelerate.utils.modeling").warning("`max_memory` is deprecated")
+        warnings.warn("a library's UserWarning")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(device_map_step, "build_meta_model", noisy_build)
+    args = ("--gpus", "8x23GiB", "--quantization", "4bit", "--cpu-memory", "180GiB")
+    disabled = logging.root.manager.disable
+    said = {}
+    for quiet in (True, False):
+        caplog.clear()
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("always")
+            code, out, err = run(capsys, str(gemma_dir), *args, *(["--quiet"] if quiet else []))
+        assert code == 0 and "verdict: ok" in out
+        said[quiet] = [r.getMessage() for r in caplog.records] + [str(w.message) for w in shown]
+    assert not [m for m in said[True] if "bitsandbytes" in m or "deprecated" in m or "UserWarning" in m]
+    assert {"Could not load bitsandbytes native library", "`max_memory` is deprecated",
+            "a library's UserWarning"} <= set(said[False])
+    assert logging.root.manager.disable == disabled  # put back after the run
+
+
 def test_a_folder_and_its_config_file_give_the_same_plan(capsys, gemma_dir, stack_ready):
     args = ("--gpus", "8x23GiB", "--quantization", "4bit", "--cpu-memory", "180GiB", "--json", "-q")
     _, by_folder, _ = run(capsys, str(gemma_dir), *args)

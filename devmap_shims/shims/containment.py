@@ -87,8 +87,11 @@ class _Routed:
 
 #: Every stand-in made, by stream name, kept for good (see the module's docstring), and the lock
 #: over the pool and over what stands on ``sys.stdout`` / ``sys.stderr`` while loads start and end.
+#: Reentrant: a ``__del__`` or a signal handler that loads a plugin runs on the thread it interrupts,
+#: which may hold the lock; it gets its stand-ins, and its loader gives the streams back once the
+#: interrupted hold ends (after the inner budget, if that comes first), rather than a hang.
 _MADE: Dict[str, List[_Routed]] = {"stdout": [], "stderr": []}  # the names of the streams stood in for
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()
 
 
 def _references(pool: List[_Routed], index: int) -> int:
@@ -134,7 +137,7 @@ def reinit_after_fork() -> None:
     by another thread stays held. Every stand-in passes through and the streams are the host's,
     except those of a loader that forked itself: it goes on loading in the child."""
     global _LOCK
-    _LOCK = threading.Lock()
+    _LOCK = threading.RLock()
     me = threading.get_ident()
     for pool in _MADE.values():
         for router in pool:

@@ -209,6 +209,42 @@ def test_a_thread_printing_while_the_streams_go_back_keeps_its_stand_in():
     assert "Error" not in proc.stderr
 
 
+LOADING_FROM_A_FINALIZER_UNDER_THE_LOCK = """
+import gc, sys
+from devmap_shims.shims import containment
+
+inner = []
+class Finalized:  # a __del__ (or a signal handler) that loads a plugin: runs on the thread it interrupts
+    def __del__(self):
+        inner.append(containment.contained(lambda: print("inner") or "inner", budget=0.5))
+
+stand_in = containment._stand_in
+collections = []
+def collecting_stand_in(*args):  # a garbage collection while the loader's streams are being set up
+    if not collections:
+        collections.append(1)
+        cycle = Finalized(); cycle.me = cycle; del cycle
+        gc.collect()
+    return stand_in(*args)
+
+containment._stand_in = collecting_stand_in
+outer = containment.contained(lambda: print("outer") or "outer", budget=10)
+containment._stand_in = stand_in
+print("OUTER", outer[0], outer[2] is not None, "INNER", inner[0][0], inner[0][1])
+print("STREAMS", sys.stdout is sys.__stdout__ and sys.stderr is sys.__stderr__)
+"""
+
+
+def test_a_load_started_by_a_finalizer_while_the_streams_are_set_up_neither_hangs_nor_leaks():
+    # the same thread takes the lock again: a plain Lock waited for itself for ever
+    proc = _python(LOADING_FROM_A_FINALIZER_UNDER_THE_LOCK, timeout=30)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("OUTER outer True INNER inner still running after 0.5 s"), proc.stdout
+    assert lines[1] == "STREAMS True"
+    assert "inner" not in proc.stdout.replace("INNER inner", "")  # captured, though it overran
+
+
 def _pooled():
     return sum(len(pool) for pool in containment._MADE.values())
 

@@ -37,15 +37,6 @@ def devmap_wrapper_type() -> type:
         class DevmapBoundFunctionWrapper(wrapt.BoundFunctionWrapper):  # type: ignore[misc, name-defined]
             """Our layer as read from an instance or a class (``model.generate``, ``Model.from_pretrained``)."""
 
-            def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-                if len(args) == 2 and not kwargs:
-                    # type(method)(method.__func__, method.__self__), as weakref.WeakMethod rebuilds a
-                    # bound method: a method of the layer read from the class, the repair included
-                    import types
-
-                    return types.MethodType(*args)
-                return super().__new__(cls, *args, **kwargs)
-
             def __reduce_ex__(self, protocol: int) -> Any:
                 # As the original's bound (or plain) function pickles: by reference, getattr(owner, name).
                 if self._self_instance is not None:
@@ -65,7 +56,7 @@ def devmap_wrapper_type() -> type:
                 # layer takes the instance from the call's first argument, as for Class.method(obj).
                 func = self.__wrapped__.__func__  # AttributeError where the original has none
                 if self._self_binding == "function" and self._self_instance is not None:
-                    return _unbound(self._self_parent, type(self._self_instance), func.__name__)
+                    return self._self_parent.__get__(None, type(self._self_instance))
                 return func
 
             def __copy__(self) -> Any:
@@ -102,17 +93,6 @@ def devmap_wrapper_type() -> type:
 
         _wrapper_type = DevmapFunctionWrapper
     return _wrapper_type
-
-
-def _unbound(layer: Any, cls: type, name: str) -> Any:
-    """``layer`` read from the class that holds it, made once and kept on the layer: a bound
-    method's ``__func__`` lives as long as its class, and ``weakref.WeakMethod(model.generate)``
-    keeps a weak reference to it (one made per read would die at once)."""
-    unbound = getattr(layer, "_self_unbound", None)
-    if unbound is None:
-        owner = next((k for k in cls.__mro__ if vars(k).get(name) is layer), cls)
-        unbound = layer._self_unbound = layer.__get__(None, owner)
-    return unbound
 
 
 def resolve(module: ModuleType, qualname: str) -> Tuple[Any, str, Any]:

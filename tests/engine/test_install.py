@@ -251,26 +251,6 @@ def test_a_method_rebound_from_its_func_keeps_the_repair(fake_stack):
     assert seen == [(thing, ("cuda:1",))]
 
 
-def test_a_weak_method_of_a_wrapped_method_lives_as_long_as_its_instance(fake_stack):
-    """``weakref.WeakMethod(obj.method)`` (callback registries) holds ``__func__`` weakly."""
-    import gc
-    import weakref
-
-    register_fake(target="Thing.to", wrapper=lambda w, i, a, k: ("repaired", i, a))
-    devmap_shims.install(only=["fake-fix"])
-    import fakelib.core
-
-    thing = fakelib.core.SubThing("cpu")
-    method = weakref.WeakMethod(thing.to)
-    gc.collect()
-    assert method() is not None
-    assert method()("cuda:1") == ("repaired", thing, ("cuda:1",))
-    assert thing.to.__func__ is fakelib.core.SubThing().to.__func__  # one object, as for a function
-    del thing
-    gc.collect()
-    assert method() is None
-
-
 def test_a_repairs_library_call_and_an_out_of_memory_error_are_the_callers(fake_stack):
     from devmap_shims.shims import library_call
 

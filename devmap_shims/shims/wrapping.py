@@ -227,9 +227,21 @@ def splice_out(owner: Any, name: str, layer: Any, original: Any) -> str:
 
 def leads_to(current: Any, layer: Any) -> bool:
     """Whether a call through ``current`` (an attribute's raw value) reaches ``layer``: it is
-    ``layer``, or a wrapper above it that says so through ``__wrapped__`` (wrapt, functools.wraps)."""
+    ``layer``, or a wrapper above it that says so through ``__wrapped__`` (wrapt, functools.wraps),
+    also where that wrapper was made over the layer as read from the class (``Cls.m =
+    deco(Cls.m)``: wrapt's bound layer names it as its parent, a bound method has it as ``__func__``)."""
     wanted = callable_of(layer)
-    return any(obj is layer or callable_of(obj) is wanted for obj in (current, *_layers_below(current)))
+    for obj in (current, *_layers_below(current)):
+        if obj is layer or callable_of(obj) is wanted:
+            return True
+        try:
+            parent = getattr(obj, "_self_parent", None)
+            func = getattr(obj, "__func__", None)
+        except Exception:  # an attribute that raises on a foreign object: it is not ours
+            continue
+        if parent is layer or (func is not None and func is wanted):
+            return True
+    return False
 
 
 def _layers_below(obj: Any) -> List[Any]:

@@ -575,26 +575,38 @@ def test_status_says_a_target_reloaded_or_replaced_after_arming_no_longer_runs_t
     assert shim_status()["state"] == "active"
 
 
-@pytest.mark.parametrize("compile_reachable", [False, True])
-def test_status_keeps_a_target_active_under_a_foreign_wrapper_that_calls_it(fake_stack, compile_reachable):
+def _decorated(below, kind):
+    """``below`` under a foreign decorator that calls it and says so through ``__wrapped__``."""
     import functools
 
-    register_fake(compile_reachable=compile_reachable)
-    devmap_shims.install(only=["fake-fix"])
-    import fakelib.core
+    if kind == "wrapt":
+        return wrapt.FunctionWrapper(below, lambda w, i, a, k: w(*a, **k))
 
-    wrapt.wrap_function_wrapper(fakelib.core, "compute", lambda w, i, a, k: w(*a, **k))  # wrapt on top
-    assert fakelib.core.compute(3) == 7
-    assert shim_status()["state"] == "active"
-    below = fakelib.core.compute
-
-    @functools.wraps(below)  # a decorator on top of that: __wrapped__ leads down to the layer
+    @functools.wraps(below)
     def logged(*args, **kwargs):
         return below(*args, **kwargs)
 
-    fakelib.core.compute = logged
-    assert fakelib.core.compute(3) == 7
-    assert shim_status()["state"] == "active"
+    return logged
+
+
+@pytest.mark.parametrize("compile_reachable", [False, True])
+@pytest.mark.parametrize("kind", ["wrapt", "functools.wraps"])
+@pytest.mark.parametrize("target", ["compute", "Thing.to", "Thing.make"])
+def test_status_keeps_a_target_active_under_a_foreign_wrapper_that_calls_it(fake_stack, compile_reachable, kind,
+                                                                             target):
+    """``module.f = deco(module.f)`` and ``Cls.m = deco(Cls.m)``, where ``Cls.m`` is the layer as read
+    from the class (a bound wrapper or a bound method, not the layer itself)."""
+    register_fake(target=target, compile_reachable=compile_reachable,
+                  wrapper=lambda w, i, a, k: ("repaired", w(*a, **k)))
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    owner, name = (fakelib.core, target) if "." not in target else (fakelib.core.Thing, target.split(".")[1])
+    call = {"compute": lambda: fakelib.core.compute(3), "Thing.to": lambda: fakelib.core.Thing().to("cuda:1"),
+            "Thing.make": lambda: fakelib.core.Thing.make("cuda:1")}[target]
+    setattr(owner, name, _decorated(getattr(owner, name), kind))
+    assert call()[0] == "repaired"  # the repair still runs ...
+    assert shim_status()["state"] == "active"  # ... so status says so
 
 
 def test_kill_switch_beats_install(fake_stack, monkeypatch):

@@ -87,11 +87,19 @@ class _Routed:
 
 #: Every stand-in made, by stream name, kept for good (see the module's docstring), and the lock
 #: over the pool and over what stands on ``sys.stdout`` / ``sys.stderr`` while loads start and end.
-#: Reentrant: a ``__del__`` or a signal handler that loads a plugin runs on the thread it interrupts,
-#: which may hold the lock; it gets its stand-ins, and its loader gives the streams back once the
-#: interrupted hold ends (after the inner budget, if that comes first), rather than a hang.
 _MADE: Dict[str, List[_Routed]] = {"stdout": [], "stderr": []}  # the names of the streams stood in for
-_LOCK = threading.RLock()
+_LOCK = threading.Lock()
+
+
+class _Holding(threading.local):
+    """Whether this thread holds ``_LOCK``. A ``__del__`` or a signal handler runs on the thread it
+    interrupts: one that loads a plugin while that thread sets up or gives back stand-ins must not
+    wait for the lock (for ever) nor take up stand-ins half chosen; it loads without capturing."""
+
+    held = False
+
+
+_HOLDING = _Holding()
 
 
 def _references(pool: List[_Routed], index: int) -> int:
@@ -137,7 +145,8 @@ def reinit_after_fork() -> None:
     by another thread stays held. Every stand-in passes through and the streams are the host's,
     except those of a loader that forked itself: it goes on loading in the child."""
     global _LOCK
-    _LOCK = threading.RLock()
+    _LOCK = threading.Lock()
+    _HOLDING.held = False
     me = threading.get_ident()
     for pool in _MADE.values():
         for router in pool:
@@ -163,7 +172,8 @@ def contained(call: Callable[[], Any], budget: float) -> Tuple[Any, Optional[str
     streams meanwhile (threads the plugin starts write to them too). A loader still running after
     its budget keeps its prints captured until it ends, and the streams go back to the host's
     then, so a late plugin does not print into the host's output. A stream that is None (no
-    console) stays None."""
+    console) stays None. A load started by a ``__del__`` or a signal handler on a thread that is
+    setting stand-ins up or giving them back runs uncaptured (its prints reach the host)."""
     outcome: Dict[str, Any] = {}
     captured = _Captured()
     names = tuple(_MADE)
@@ -180,23 +190,33 @@ def contained(call: Callable[[], Any], budget: float) -> Tuple[Any, Optional[str
         finally:
             # the loader, and only it, gives the streams back: in the same hold of the lock as its
             # stand-ins go idle, before another load can take one of them up again
-            with _LOCK:
-                for name, router, host in zip(names, routed, hosts):
-                    if router is not None:
-                        _idle(router)
-                        if getattr(sys, name) is router:
-                            setattr(sys, name, _unrouted(host))
+            if any(router is not None for router in routed):
+                _HOLDING.held = True  # before the lock is asked for: no window where it is held unsaid
+                try:
+                    with _LOCK:
+                        for name, router, host in zip(names, routed, hosts):
+                            if router is not None:
+                                _idle(router)
+                                if getattr(sys, name) is router:
+                                    setattr(sys, name, _unrouted(host))
+                finally:
+                    _HOLDING.held = False
 
     worker = threading.Thread(target=run, name="devmap-shims plugin loader", daemon=True)
     try:
         worker.start()
-        with _LOCK:  # the streams as they are now, not as another load's stand-ins left them
-            for name in names:
-                hosts.append(getattr(sys, name))
-                over = _unrouted(hosts[-1])  # an idle stand-in a redirect_stdout() put back
-                routed.append(None if over is None else _stand_in(name, over, captured, worker.ident))
-                if routed[-1] is not None:
-                    setattr(sys, name, routed[-1])
+        if not _HOLDING.held:  # else a finalizer of this thread, run under the lock: not captured
+            _HOLDING.held = True
+            try:
+                with _LOCK:  # the streams as they are now, not as another load's stand-ins left them
+                    for name in names:
+                        hosts.append(getattr(sys, name))
+                        over = _unrouted(hosts[-1])  # an idle stand-in a redirect_stdout() put back
+                        routed.append(None if over is None else _stand_in(name, over, captured, worker.ident))
+                        if routed[-1] is not None:
+                            setattr(sys, name, routed[-1])
+            finally:
+                _HOLDING.held = False
     finally:
         routing.set()
     worker.join(budget)

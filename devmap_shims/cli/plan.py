@@ -15,8 +15,8 @@ GPUs (each fully free) and CPU. By default the map is the one you get with devma
 compares the four strategies, each with and without the shims.
 
 What it is doing (importing, building, planning: seconds each) is said on stderr, never on
-stdout; ``--quiet`` silences it, and the libraries' own warnings and log lines (bitsandbytes on a
-machine without its native library logs one at import). Text output fits 100 columns.
+stdout; ``--quiet`` silences it, and warnings and log lines below CRITICAL, the libraries' and
+ours (bitsandbytes on a machine without its native library logs one at import). Text output fits 100 columns.
 
 Exit status: 0 when the map is healthy, 1 when it is degenerate (collapsed, skipped GPU,
 offloaded, imbalanced), 2 for a usage error (unreadable config, not a causal LM, bad topology).
@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--without-shims", action="store_true", help="show the library's own map, unrepaired")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("-q", "--quiet", action="store_true",
-                        help="no progress lines on stderr, and no warning or log line from the libraries")
+                        help="no progress lines on stderr, nor warnings or log lines below CRITICAL "
+                        "(the libraries' and devmap-shims')")
 
 
 # -- the run ------------------------------------------------------------------------------------------

@@ -116,7 +116,7 @@ class SimulatedEvent(*_EVENT_BASES):  # type: ignore[misc]
             raise RuntimeError("Both events must be recorded before calculating elapsed time.")
         if not timing:  # cudaEventElapsedTime refuses an event made with cudaEventDisableTiming
             raise RuntimeError("CUDA error: invalid resource handle")
-        return (end_event._time - self._time) * 1000.0
+        return (getattr(end_event, "_time", self._time) - self._time) * 1000.0
 
     def __repr__(self) -> str:
         return "<torch.cuda.Event (simulated)>"

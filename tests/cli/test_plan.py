@@ -329,6 +329,23 @@ def test_quiet_silences_library_logs_and_warnings_during_the_run_only(capsys, ca
     assert logging.root.manager.disable == disabled  # put back after the run
 
 
+def test_quiet_keeps_a_stricter_logging_switch_the_host_set():
+    import logging
+
+    from devmap_shims.cli._quiet import libraries_silent
+
+    logging.disable(logging.CRITICAL)
+    try:
+        with libraries_silent():
+            assert logging.root.manager.disable == logging.CRITICAL
+        assert logging.root.manager.disable == logging.CRITICAL
+    finally:
+        logging.disable(logging.NOTSET)
+    with libraries_silent():
+        assert logging.root.manager.disable == logging.ERROR
+    assert logging.root.manager.disable == logging.NOTSET
+
+
 def test_a_folder_and_its_config_file_give_the_same_plan(capsys, gemma_dir, stack_ready):
     args = ("--gpus", "8x23GiB", "--quantization", "4bit", "--cpu-memory", "180GiB", "--json", "-q")
     _, by_folder, _ = run(capsys, str(gemma_dir), *args)

@@ -81,6 +81,13 @@ def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
     except AttributeError as exc:
         entry.state, entry.reason = SKIPPED, f"target missing: {exc} (the library changed; shim not applied)"
         return
+    wrapped_already = next((t for t in shim_entry.targets if t is not entry and t.state == ACTIVE
+                            and t.layer is not None and wrapping.leads_to(raw, t.layer)
+                            and shim.wrapper_for(t.target) == shim.wrapper_for(target)), None)
+    if wrapped_already is not None:  # Sub.m inherited from Base.m, both targets: one layer, one repair
+        entry.state = SKIPPED
+        entry.reason = f"the same attribute as {wrapped_already.target.key}, which this shim wraps already"
+        return
     existing = wrapping.owned_original(raw)
     # a layer of this install (one whose repair failed too: it still holds the attribute and comes
     # off in turn) is wrapped over; one left by an earlier install is not: keep the first original

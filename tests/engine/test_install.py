@@ -668,6 +668,47 @@ def test_repair_sees_the_original_through_wrapped(fake_stack):
     assert seen == [["x", "scale"]]
 
 
+@pytest.mark.parametrize("order", [("Thing.to", "SubThing.to"), ("SubThing.to", "Thing.to")])
+def test_two_targets_of_one_shim_on_the_same_attribute_wrap_it_once(fake_stack, order):
+    """``SubThing.to`` is ``Thing.to`` inherited: both are wrapped where defined, so the second target
+    would put a second layer of the same repair over the first."""
+    calls = []
+
+    def counting(wrapped, instance, args, kwargs):
+        calls.append(args)
+        return wrapped(*args, **kwargs)
+
+    import fakelib.core
+
+    original = vars(fakelib.core.Thing)["to"]
+    shim = Shim("fake-fix", ("fake-bug",), tuple(Target("fakelib.core", q) for q in order), counting)
+    devmap_shims.register(shim, matrix_rows=[fake_row()])
+    devmap_shims.install(only=["fake-fix"])
+    assert fakelib.core.SubThing().to("cuda:1").device == "cuda:1"
+    assert calls == [("cuda:1",)]  # one repair per call
+    first, second = shim_status()["targets"]
+    assert first["state"] == "active" and second["state"] == "skipped"
+    assert second["reason"] == f"the same attribute as fakelib.core:{order[0]}, which this shim wraps already"
+    devmap_shims.uninstall()
+    assert vars(fakelib.core.Thing)["to"] is original
+
+
+def test_two_targets_of_one_shim_on_the_same_attribute_with_their_own_wrappers_both_run(fake_stack):
+    seen = []
+
+    def noting(label):
+        return lambda wrapped, instance, args, kwargs: seen.append(label) or wrapped(*args, **kwargs)
+
+    targets = (Target("fakelib.core", "Thing.to", wrapper=noting("base")),
+               Target("fakelib.core", "SubThing.to", wrapper=noting("sub")))
+    devmap_shims.register(Shim("fake-fix", ("fake-bug",), targets), matrix_rows=[fake_row()])
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core
+
+    fakelib.core.SubThing().to("cuda:1")
+    assert sorted(seen) == ["base", "sub"]
+
+
 def test_two_shims_on_one_target_stack_and_come_off(fake_stack):
     import fakelib.core
 

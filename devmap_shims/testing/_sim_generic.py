@@ -7,7 +7,7 @@ CPU and their results are tagged with that device; factories without it make the
 default device even when a number or size they were given is a tensor on a simulated GPU (and a
 size given as such a tensor to ``expand``/``view``/``reshape``/... is not an operand); sized
 factories raise CUDA's out-of-memory error before allocating. Random ops on a simulated GPU draw
-from that GPU's generator, those that take none (dropout) too.
+from that GPU's generator.
 """
 
 from __future__ import annotations
@@ -73,47 +73,6 @@ def _take_a_generator(names: Sequence[str]) -> List[Any]:
 
 
 RANDOM_ON_TENSORS.update(_take_a_generator(("rand_like", "randn_like", "randint_like")))
-# random ops that take no generator: on a GPU they draw from that GPU's default generator, so here
-# they run with the CPU's default generator holding the simulated GPU's state for the call
-RANDOM_FROM_THE_DEFAULT = set(
-    torch_functions(
-        "dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "feature_alpha_dropout",
-        "feature_alpha_dropout_", "feature_dropout", "feature_dropout_", "dropout1d", "dropout2d",
-        "dropout3d", "native_dropout", "rrelu", "rrelu_", "rand_like", "randn_like", "randint_like",
-    )
-) - RANDOM_ON_TENSORS
-# F's that leave ``training`` False when not given (torch's own take it as a required argument)
-_NOT_TRAINING_BY_DEFAULT = {"alpha_dropout", "feature_alpha_dropout", "rrelu", "rrelu_"}
-
-
-def _draws(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
-    """Whether a call of one of :data:`RANDOM_FROM_THE_DEFAULT` draws: dropout and rrelu outside
-    training, and dropout with ``p=0``, return at once (an eval forward calls dropout per layer)."""
-    name = getattr(func, "__name__", "")
-    if "dropout" in name:
-        at, p = 2, kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-    elif "rrelu" in name:
-        at, p = 3, 1.0
-    else:
-        return True
-    training = kwargs.get("training", kwargs.get("train", args[at] if len(args) > at else None))
-    if training is None:
-        training = name not in _NOT_TRAINING_BY_DEFAULT
-    return bool(training) and p != 0
-
-
-def _drawing_from(generator: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-    """``func`` run with the CPU's default generator in ``generator``'s state, which then takes the
-    state the call left; the CPU's own stream is as it was (what ``torch.random.fork_rng`` does)."""
-    cpu = torch.default_generator
-    saved = cpu.get_state()
-    cpu.set_state(generator.get_state())
-    try:
-        out = func(*args, **kwargs)
-        generator.set_state(cpu.get_state())
-    finally:
-        cpu.set_state(saved)
-    return out
 
 
 def _strip_pin(kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
@@ -293,13 +252,10 @@ def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
             kwargs["generator"] = default_generator(common)
         else:
             _check_generator(kwargs, common)
-    call = func
-    if func in RANDOM_FROM_THE_DEFAULT and _draws(func, args, kwargs):
-        call = functools.partial(_drawing_from, default_generator(common), func)
     if S.SAVED_HOOKS:  # saved-tensor hooks see the op's new outputs on its device
-        out = _run_announcing(call, args, kwargs, common, ts)
+        out = _run_announcing(func, args, kwargs, common, ts)
     else:
-        out = call(*args, **kwargs)
+        out = func(*args, **kwargs)
     if isinstance(out, _Tensor):
         try:
             sid = _storage_id(out)

@@ -81,8 +81,10 @@ def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
     except AttributeError as exc:
         entry.state, entry.reason = SKIPPED, f"target missing: {exc} (the library changed; shim not applied)"
         return
+    # the attribute itself, not what __wrapped__ claims: an override decorated with
+    # functools.wraps(Base.m) need not call Base.m
     wrapped_already = next((t for t in shim_entry.targets if t is not entry and t.state == ACTIVE
-                            and t.layer is not None and wrapping.leads_to(raw, t.layer)
+                            and (raw is t.layer or (t.owner is owner and t.name == name))
                             and shim.wrapper_for(t.target) == shim.wrapper_for(target)), None)
     if wrapped_already is not None:  # Sub.m inherited from Base.m, both targets: one layer, one repair
         entry.state = SKIPPED

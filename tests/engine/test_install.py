@@ -693,6 +693,40 @@ def test_two_targets_of_one_shim_on_the_same_attribute_wrap_it_once(fake_stack, 
     assert vars(fakelib.core.Thing)["to"] is original
 
 
+@pytest.mark.parametrize("imported", ["before install", "after install"])
+def test_an_override_that_only_claims_to_wrap_the_base_method_is_wrapped_too(fake_stack, imported,
+                                                                             monkeypatch):
+    """``@functools.wraps(Thing.to)`` on an override that never calls ``Thing.to``: its own
+    attribute, so its own layer, whichever module is imported first."""
+    import sys
+
+    monkeypatch.delitem(sys.modules, "fakesub", raising=False)  # a fresh import in each case
+    (fake_stack / "fakesub.py").write_text(
+        "import functools\nfrom fakelib.core import Thing\n"
+        "class Sub(Thing):\n"
+        "    @functools.wraps(Thing.to)\n"
+        "    def to(self, device, *, copy=False):\n"
+        "        return Sub(device)\n"
+    )
+    calls = []
+
+    def counting(wrapped, instance, args, kwargs):
+        calls.append(type(instance).__name__)
+        return wrapped(*args, **kwargs)
+
+    if imported == "before install":
+        import fakesub  # noqa: F401
+    targets = (Target("fakelib.core", "Thing.to"), Target("fakesub", "Sub.to"))
+    devmap_shims.register(Shim("fake-fix", ("fake-bug",), targets, counting), matrix_rows=[fake_row()])
+    devmap_shims.install(only=["fake-fix"])
+    import fakelib.core  # noqa: F401
+    import fakesub
+
+    assert fakesub.Sub().to("cuda:1").device == "cuda:1"
+    assert calls == ["Sub"]
+    assert [t["state"] for t in shim_status()["targets"]] == ["active", "active"]
+
+
 def test_two_targets_of_one_shim_on_the_same_attribute_with_their_own_wrappers_both_run(fake_stack):
     seen = []
 

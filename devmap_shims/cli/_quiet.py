@@ -12,9 +12,10 @@ from typing import Iterator
 @contextmanager
 def libraries_silent(silent: bool = True) -> Iterator[None]:
     """While inside, nothing is logged below CRITICAL and no warning is shown, ours included: the
-    libraries a command imports then say nothing (bitsandbytes on a machine without its native library logs an
-    error with a traceback at import; transformers resets its own logger's level as it is first
-    imported, so levels set beforehand would not hold). What was set before comes back after."""
+    libraries a command imports then say nothing (bitsandbytes on a machine without its native
+    library logs an error with a traceback at import; transformers resets its own logger's level as
+    it is first imported, so levels set beforehand would not hold). What was set before comes back
+    after."""
     if not silent:
         yield
         return

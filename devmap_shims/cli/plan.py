@@ -16,7 +16,8 @@ compares the four strategies, each with and without the shims.
 
 What it is doing (importing, building, planning: seconds each) is said on stderr, never on
 stdout; ``--quiet`` silences it, and warnings and log lines below CRITICAL, the libraries' and
-ours (bitsandbytes on a machine without its native library logs one at import). Text output fits 100 columns.
+ours (bitsandbytes on a machine without its native library logs one at import). Text output fits
+100 columns.
 
 Exit status: 0 when the map is healthy, 1 when it is degenerate (collapsed, skipped GPU,
 offloaded, imbalanced), 2 for a usage error (unreadable config, not a causal LM, bad topology).

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import sys
 import threading
+from contextlib import contextmanager
 
 TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
-    from typing import Any, Callable, Dict, List, Optional, Tuple
+    from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 #: Characters of the captured output quoted in the report (the rest is counted, not kept).
 QUOTED_OUTPUT = 200
@@ -100,6 +101,18 @@ class _Holding(threading.local):
 
 
 _HOLDING = _Holding()
+
+
+@contextmanager
+def _held() -> Iterator[None]:
+    """``_LOCK``, with this thread noted as holding it from before it asks for the lock until it has
+    let go: there is no moment when it holds the lock unnoted."""
+    _HOLDING.held = True
+    try:
+        with _LOCK:
+            yield
+    finally:
+        _HOLDING.held = False
 
 
 def _references(pool: List[_Routed], index: int) -> int:
@@ -191,32 +204,24 @@ def contained(call: Callable[[], Any], budget: float) -> Tuple[Any, Optional[str
             # the loader, and only it, gives the streams back: in the same hold of the lock as its
             # stand-ins go idle, before another load can take one of them up again
             if any(router is not None for router in routed):
-                _HOLDING.held = True  # before the lock is asked for: no window where it is held unsaid
-                try:
-                    with _LOCK:
-                        for name, router, host in zip(names, routed, hosts):
-                            if router is not None:
-                                _idle(router)
-                                if getattr(sys, name) is router:
-                                    setattr(sys, name, _unrouted(host))
-                finally:
-                    _HOLDING.held = False
+                with _held():
+                    for name, router, host in zip(names, routed, hosts):
+                        if router is not None:
+                            _idle(router)
+                            if getattr(sys, name) is router:
+                                setattr(sys, name, _unrouted(host))
 
     worker = threading.Thread(target=run, name="devmap-shims plugin loader", daemon=True)
     try:
         worker.start()
         if not _HOLDING.held:  # else a finalizer of this thread, run under the lock: not captured
-            _HOLDING.held = True
-            try:
-                with _LOCK:  # the streams as they are now, not as another load's stand-ins left them
-                    for name in names:
-                        hosts.append(getattr(sys, name))
-                        over = _unrouted(hosts[-1])  # an idle stand-in a redirect_stdout() put back
-                        routed.append(None if over is None else _stand_in(name, over, captured, worker.ident))
-                        if routed[-1] is not None:
-                            setattr(sys, name, routed[-1])
-            finally:
-                _HOLDING.held = False
+            with _held():  # the streams as they are now, not as another load's stand-ins left them
+                for name in names:
+                    hosts.append(getattr(sys, name))
+                    over = _unrouted(hosts[-1])  # an idle stand-in a redirect_stdout() put back
+                    routed.append(None if over is None else _stand_in(name, over, captured, worker.ident))
+                    if routed[-1] is not None:
+                        setattr(sys, name, routed[-1])
     finally:
         routing.set()
     worker.join(budget)

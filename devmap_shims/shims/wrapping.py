@@ -230,17 +230,15 @@ def leads_to(current: Any, layer: Any) -> bool:
     ``layer``, or a wrapper above it that says so through ``__wrapped__`` (wrapt, functools.wraps),
     also where that wrapper was made over the layer as read from the class (``Cls.m =
     deco(Cls.m)``: wrapt's bound layer names it as its parent, a bound method has it as ``__func__``)."""
-    wanted = callable_of(layer)
+    wanted = callable_of(layer)  # a staticmethod's or classmethod's function, else the layer
     for obj in (current, *_layers_below(current)):
-        if obj is layer or callable_of(obj) is wanted:
+        if obj is layer or obj is wanted:
             return True
-        try:
-            parent = getattr(obj, "_self_parent", None)
-            func = getattr(obj, "__func__", None)
+        try:  # a staticmethod, classmethod or bound method holds it as __func__
+            if getattr(obj, "_self_parent", None) is layer or getattr(obj, "__func__", None) is wanted:
+                return True
         except Exception:  # an attribute that raises on a foreign object: it is not ours
             continue
-        if parent is layer or (func is not None and func is wanted):
-            return True
     return False
 
 

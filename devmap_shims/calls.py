@@ -134,22 +134,34 @@ def with_argument(
     return args, dict(kwargs, **{name: value})
 
 
+def _same_items(copy: Any, current: Any) -> bool:
+    """Does dict ``current`` hold the very objects ``copy`` does, under the same keys (or are
+    both None)?"""
+    if copy is None or current is None:
+        return copy is current
+    if len(copy) != len(current):
+        return False
+    return all(name in current and current[name] is value for name, value in copy.items())
+
+
 def bind(func: Callable[..., Any], args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Dict[str, Any]:
     """Every parameter of a call ``func(*args, **kwargs)`` by name, defaults filled in.
 
     Raises TypeError, as the call itself would, when the arguments do not fit the signature.
     """
     key, inner = _unwrapped(func)
-    defaults = getattr(inner, "__defaults__", None), getattr(inner, "__kwdefaults__", None)
+    # __defaults__ is a tuple, replaced whole; __kwdefaults__ a dict that can change in place, so
+    # the cache keeps a copy of it and compares its values by identity (== could be a tensor's)
+    defaults, kwdefaults = getattr(inner, "__defaults__", None), getattr(inner, "__kwdefaults__", None)
     cached = _SIGNATURES.get(key) if key is not None else None
-    if cached is not None and cached[1] is defaults[0] and cached[2] is defaults[1]:
+    if cached is not None and cached[1] is defaults and _same_items(cached[2], kwdefaults):
         sig = cached[0]
     else:  # not read yet, or another closure of the same code, or defaults set since
         import inspect
 
         sig = inspect.signature(func)
         if key is not None:
-            _SIGNATURES[key] = (sig, defaults[0], defaults[1])
+            _SIGNATURES[key] = (sig, defaults, dict(kwdefaults) if kwdefaults is not None else None)
     bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)

@@ -24,6 +24,26 @@ def test_closures_of_one_factory_keep_their_own_defaults():
     assert bind(second, ("m",), {})["device"] == "cuda:2" == second("m")[1]
 
 
+
+def test_a_keyword_only_default_changed_in_place_is_read_again():
+    # __kwdefaults__ is a dict: a change in place keeps its identity
+    def load(model, *, device="cuda:0"):
+        return model, device
+
+    assert bind(load, ("m",), {})["device"] == "cuda:0"
+    load.__kwdefaults__["device"] = "cuda:1"
+    assert bind(load, ("m",), {})["device"] == "cuda:1" == load("m")[1]
+
+    class Ambiguous:  # as a tensor of several elements: == gives no plain truth
+        def __eq__(self, other):
+            raise RuntimeError("Boolean value of Tensor with more than one value is ambiguous")
+
+        __hash__ = object.__hash__
+
+    load.__kwdefaults__["device"] = default = Ambiguous()
+    assert bind(load, ("m",), {})["device"] is default
+
+
 def test_a_wrapper_of_a_bound_method_is_read_as_bound():
     # accelerate's hooked forward: update_wrapper(partial(new_forward, module), module.forward)
     class Model:

@@ -14,7 +14,9 @@ forward from GPU i to GPU j > i). Two questions are answered exactly:
 * :func:`spread`: given that ``T``, a partition that keeps every bin at or under it while
   aiming each bin at an even share of what is left, so GPUs at the end are not left idle when
   a balanced split needs them. A backward greedy pass tells, for every bin, the earliest item
-  from which the rest still fits, which keeps the forward choices feasible.
+  from which the rest still fits, which keeps the forward choices feasible. Once no more items
+  are left than bins, each bin takes what fits under its cap instead: a small item (a final
+  norm) joins its neighbours rather than a GPU of its own, and only the last GPUs stay idle.
 """
 
 from __future__ import annotations
@@ -128,6 +130,14 @@ def spread(sizes: Sequence[int], caps: Sequence[int], prefix: Optional[List[int]
     for b in range(n):
         lo_end = max(p, start[b + 1])
         bins_left = sum(1 for c in caps[b:] if c > 0) or 1
+        if u - p <= bins_left:
+            # no more items left than bins: an even share cannot be reached item by item, and an
+            # item alone in a bin (a final norm) only adds a hop; each bin takes what fits under
+            # its cap, so the bins left idle are the last ones
+            end = max(p, bisect_right(prefix, prefix[p] + caps[b], p) - 1)
+            assignment.extend([b] * (end - p))
+            p = end
+            continue
         target = (prefix[u] - prefix[p]) / bins_left
         best_end, best_err = lo_end, None
         e = lo_end

@@ -120,6 +120,19 @@ def test_spread_uses_every_bin_when_items_allow():
     assert all(load > 0 for load in loads)
 
 
+def test_a_small_module_does_not_take_a_gpu_of_its_own_when_gpus_outnumber_modules():
+    # embedding, three layers, final norm, rotary embedding, lm_head on 8 GPUs: once no more
+    # modules are left than GPUs, an even share cannot be reached module by module, and a norm
+    # alone on a GPU only adds a hop; it goes with the lm_head, the busiest GPU unchanged
+    sizes = [50, 100, 100, 100, 1, 1, 50]
+    assignment = partition.balanced_assignment(sizes, [1000] * 8)
+    loads = check_assignment(sizes, [1000] * 8, assignment)
+    assert max(loads) == 100
+    assert assignment == [0, 1, 2, 3, 4, 4, 4]
+    # a GPU between two used ones is never left empty: the idle GPUs are the last ones
+    assert [load > 0 for load in loads] == [True] * 5 + [False] * 3
+
+
 def test_bins_with_zero_capacity_are_skipped():
     assignment = partition.balanced_assignment([5, 5, 5], [0, 10, 10])
     assert assignment is not None and 0 not in assignment

@@ -47,8 +47,13 @@ def _greedy_end(prefix: Sequence[int], caps: Sequence[int]) -> int:
     for cap in caps:
         if i == u:
             break
-        i = max(i, bisect_right(prefix, prefix[i] + cap, i) - 1)
+        i = _run_end(prefix, i, cap)
     return i
+
+
+def _run_end(prefix: Sequence[int], i: int, cap: int) -> int:
+    """The end of the longest run of items from ``i`` whose sizes add up to at most ``cap``."""
+    return max(i, bisect_right(prefix, prefix[i] + cap, i) - 1)
 
 
 def longest_prefix_with_reserve(sizes: Sequence[int], caps: Sequence[int]) -> Tuple[int, int]:
@@ -128,16 +133,16 @@ def spread(sizes: Sequence[int], caps: Sequence[int], prefix: Optional[List[int]
     assignment: List[int] = []
     p = 0
     for b in range(n):
-        lo_end = max(p, start[b + 1])
         bins_left = sum(1 for c in caps[b:] if c > 0) or 1
         if u - p <= bins_left:
             # no more items left than bins: an even share cannot be reached item by item, and an
             # item alone in a bin (a final norm) only adds a hop; each bin takes what fits under
             # its cap, so the bins left idle are the last ones
-            end = max(p, bisect_right(prefix, prefix[p] + caps[b], p) - 1)
+            end = _run_end(prefix, p, caps[b])
             assignment.extend([b] * (end - p))
             p = end
             continue
+        lo_end = max(p, start[b + 1])
         target = (prefix[u] - prefix[p]) / bins_left
         best_end, best_err = lo_end, None
         e = lo_end

@@ -24,7 +24,6 @@ def test_closures_of_one_factory_keep_their_own_defaults():
     assert bind(second, ("m",), {})["device"] == "cuda:2" == second("m")[1]
 
 
-
 def test_a_keyword_only_default_changed_in_place_is_read_again():
     # __kwdefaults__ is a dict: a change in place keeps its identity
     def load(model, *, device="cuda:0"):

@@ -259,6 +259,9 @@ def cuda_namespace() -> Dict[str, Any]:
         "empty_cache": noop,
         "ipc_collect": noop,
         "is_initialized": true,
+        # read by torch.utils.checkpoint: once CUDA is initialized it saves the inputs' GPUs'
+        # generator states and restores them for the recomputation (dropout's masks)
+        "_initialized": True,
         "init": noop,
         "_lazy_init": noop,
         "Stream": SimulatedStream,

@@ -1,6 +1,7 @@
 """Random generators of the simulated GPUs: CPU generators that report ``cuda:N``.
 
-Random ops on simulated GPUs draw from them, so seeding ``torch.cuda`` reproduces a run.
+Random ops on simulated GPUs draw from them, those that take no generator included, so seeding
+``torch.cuda`` reproduces a run.
 """
 
 from __future__ import annotations
@@ -45,6 +46,21 @@ DEFAULT_GENERATORS: List[SimulatedCudaGenerator] = []
 
 def default_generator(idx: int) -> SimulatedCudaGenerator:
     return DEFAULT_GENERATORS[idx]
+
+
+def drawing_from(g: _RealGenerator, run: Any, *args: Any) -> Any:
+    """``run(*args)`` with the CPU's default generator holding ``g``'s state; after it ``g`` takes
+    the state the run left and the CPU's generator gets its own back. Ops whose signatures take no
+    generator (dropout, rrelu) draw from the CPU's default one: run so, they draw from ``g``.
+    Another thread drawing from the CPU's generator meanwhile would draw from ``g``'s sequence."""
+    cpu = torch.default_generator
+    own = cpu.get_state()
+    cpu.set_state(g.get_state())
+    try:
+        return run(*args)
+    finally:
+        g.set_state(cpu.get_state())
+        cpu.set_state(own)
 
 
 class _GeneratorMeta(type):

@@ -6,8 +6,8 @@ device; indexing accepts CPU index tensors, and an assignment through it checks 
 ``index_put_`` does (:mod:`._sim_values`, with ``where``, ``fill_`` and ``masked_fill``);
 ``numpy()`` and ``pin_memory()`` raise on tensors on simulated GPUs; ``backward()`` checks the
 gradients it is given and ``Tensor.grad`` keeps gradients on their tensors' devices
-(:mod:`._sim_autograd`). :data:`PASSTHROUGH` lists the
-metadata getters and queries that run untouched (the fast path).
+(:mod:`._sim_autograd`); random ops that take no generator (dropout) draw from their GPU's.
+:data:`PASSTHROUGH` lists the metadata getters and queries that run untouched (the fast path).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from devmap_shims.calls import argument_at
 from . import _sim_state as S
 from ._sim_autograd import check_backward_call, h_grad_get, h_grad_set
 from ._sim_devices import device_key, fmt_device, off_cpu, parse_device
-from ._sim_generic import dtype_itemsize, run_with_device
-from ._sim_operands import torch_functions
+from ._sim_generators import default_generator, drawing_from
+from ._sim_generic import dtype_itemsize, generic, run_with_device
+from ._sim_operands import tensor_operands, torch_functions
 from ._sim_storages import is_pinned, mark_pinned, same_storage, sim_copy, tag, tag_all
 from ._sim_values import advanced, check_put_value, h_fill, h_masked_fill, h_where
 
@@ -260,6 +261,17 @@ def _h_deepcopy(func, args, kwargs):
     return out
 
 
+def _h_no_generator(func, args, kwargs):
+    """Random ops whose signatures take no generator (dropout in its forms, rrelu, gumbel_softmax,
+    attention's ``dropout_p``) draw from the default generator of their input's device: on a
+    simulated GPU, from that GPU's generator, so ``torch.cuda.manual_seed`` decides them."""
+    ts = tensor_operands(args, kwargs)
+    idx = S.sim_index(ts[0]) if ts else None
+    if idx is None:
+        return generic(func, args, kwargs)
+    return drawing_from(default_generator(idx), generic, func, args, kwargs)
+
+
 def _handlers() -> Dict[Any, Callable]:
     h: Dict[Any, Callable] = {}
 
@@ -293,6 +305,15 @@ def _handlers() -> Dict[Any, Callable]:
     put(_h_backward, _Tensor.backward, torch.autograd.backward, torch.autograd.grad)
     put(_h_parse_to, torch._C._nn._parse_to)
     put(_h_deepcopy, _Tensor.__deepcopy__)
+    put(
+        _h_no_generator,
+        *torch_functions(
+            "dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "native_dropout",
+            "feature_dropout", "feature_dropout_", "alpha_dropout", "alpha_dropout_",
+            "feature_alpha_dropout", "feature_alpha_dropout_", "rrelu", "rrelu_", "gumbel_softmax",
+            "scaled_dot_product_attention",
+        ),
+    )
     put(h_grad_get, _TensorBase.grad.__get__)
     put(h_grad_set, _TensorBase.grad.__set__)
     return h

@@ -125,6 +125,26 @@ def test_activation_checkpointing_recomputes_on_the_simulated_devices(reentrant)
         assert torch.equal(first.weight.grad.cpu(), with_checkpoint)
 
 
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_activation_checkpointing_recomputes_dropout_with_the_forwards_mask(reentrant):
+    """Dropout on a GPU draws from its generator: checkpointing saves and restores that generator's
+    state, as it does once CUDA is initialized, so the recomputed mask is the forward's."""
+    from torch.utils.checkpoint import checkpoint
+
+    with simulated_gpus(2):
+        torch.manual_seed(0)
+        first = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Dropout(0.5)).to("cuda:0")
+        second = torch.nn.Linear(64, 2).to("cuda:1")
+        x = torch.randn(3, 4, device="cuda:0", requires_grad=True)
+        torch.cuda.manual_seed_all(5)
+        second(checkpoint(first, x, use_reentrant=reentrant).to("cuda:1")).sum().backward()
+        with_checkpoint = first[0].weight.grad.cpu()
+        first[0].weight.grad = None
+        torch.cuda.manual_seed_all(5)
+        second(first(x).to("cuda:1")).sum().backward()
+        assert torch.equal(first[0].weight.grad.cpu(), with_checkpoint)
+
+
 # ------------------------------------------------------------------------------------------------
 # optimizers
 # ------------------------------------------------------------------------------------------------

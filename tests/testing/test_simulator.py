@@ -277,6 +277,44 @@ def test_cuda_rng_is_seeded_by_torch_manual_seed():
         assert torch.equal(b, torch.rand(2, device="cuda:0"))
 
 
+# the random ops whose signatures take no generator (functional and in-place forms among them)
+NO_GENERATOR = {
+    "dropout": lambda x: F.dropout(x, 0.5),
+    "nn.Dropout": torch.nn.Dropout(0.5),
+    "dropout_": lambda x: F.dropout(x.clone(), 0.5, inplace=True),
+    "dropout2d": lambda x: F.dropout2d(x.view(2, 8, 4, 1), 0.5),
+    "alpha_dropout": lambda x: F.alpha_dropout(x, 0.5, training=True),
+    "feature_alpha_dropout": lambda x: F.feature_alpha_dropout(x.view(2, 8, 4, 1), 0.5, training=True),
+    "torch.dropout": lambda x: torch.dropout(x, 0.5, True),
+    "rrelu": lambda x: F.rrelu(-x, training=True),
+    "rrelu_": lambda x: F.rrelu_(-x, training=True),
+    "gumbel_softmax": lambda x: F.gumbel_softmax(x.view(8, 8)),
+    "sdpa dropout_p": lambda x: F.scaled_dot_product_attention(*(x.view(1, 2, 4, 8),) * 3, dropout_p=0.5),
+}
+
+
+@pytest.mark.parametrize("op", list(NO_GENERATOR.values()), ids=list(NO_GENERATOR))
+def test_random_ops_without_a_generator_draw_from_the_simulated_gpus_generator(op):
+    """As on CUDA: the GPU's seed decides them, the CPU's generator does not move, and each GPU
+    draws from its own generator."""
+    with simulated_gpus(2):
+        x = torch.ones(64, device="cuda:1")
+        torch.cuda.manual_seed_all(3)
+        first = op(x)
+        assert first.device == torch.device("cuda:1")
+        torch.default_generator.manual_seed(2)  # the CPU's generator alone
+        torch.cuda.manual_seed_all(3)
+        cpu_state = torch.get_rng_state()
+        again = op(x)
+        assert torch.equal(torch.get_rng_state(), cpu_state)
+        assert torch.equal(real_cpu_tensor(again), real_cpu_tensor(first))
+        torch.cuda.manual_seed_all(3)
+        torch.cuda.manual_seed(4)  # cuda:0 alone, the current device
+        assert torch.equal(real_cpu_tensor(op(x)), real_cpu_tensor(first))
+        torch.cuda.manual_seed_all(4)
+        assert not torch.equal(real_cpu_tensor(op(x)), real_cpu_tensor(first))
+
+
 def test_streams_events_pinned_memory():
     with simulated_gpus(2):
         s = torch.cuda.Stream(device=1)

@@ -30,6 +30,7 @@ from ._sim_values import advanced, check_put_value, h_fill, h_masked_fill, h_whe
 _TensorBase = torch._C.TensorBase
 _Tensor = torch.Tensor
 _CPU = torch.device("cpu")
+_SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
 def _is_device_like(x: Any) -> bool:
@@ -267,8 +268,8 @@ def _h_no_generator(func, args, kwargs):
     simulated GPU, from that GPU's generator, so ``torch.cuda.manual_seed`` decides them."""
     ts = tensor_operands(args, kwargs)
     idx = S.sim_index(ts[0]) if ts else None
-    if idx is None:
-        return generic(func, args, kwargs)
+    if idx is None or (func is _SDPA and not argument_at(args, kwargs, 4, "dropout_p")):
+        return generic(func, args, kwargs)  # attention without dropout, in every forward: no draw
     return drawing_from(default_generator(idx), generic, func, args, kwargs)
 
 

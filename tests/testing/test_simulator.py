@@ -290,6 +290,7 @@ NO_GENERATOR = {
     "rrelu_": lambda x: F.rrelu_(-x, training=True),
     "gumbel_softmax": lambda x: F.gumbel_softmax(x.view(8, 8)),
     "sdpa dropout_p": lambda x: F.scaled_dot_product_attention(*(x.view(1, 2, 4, 8),) * 3, dropout_p=0.5),
+    "sdpa positional": lambda x: F.scaled_dot_product_attention(*(x.view(1, 2, 4, 8),) * 3, None, 0.5),
 }
 
 

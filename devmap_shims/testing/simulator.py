@@ -30,7 +30,9 @@ What is simulated
     * Memory: each GPU has a capacity; every storage on it is charged (rounded to the caching
       allocator's 512-byte blocks) until it is freed; an allocation past capacity raises
       ``torch.OutOfMemoryError`` with CUDA's message naming the GPU.
-    * ``torch.Generator("cuda:N")``, ``torch.cuda.Stream``/``Event`` (inert), ``pin_memory()``.
+    * ``torch.Generator("cuda:N")`` and a default generator per GPU, which ``torch.cuda``'s seeding
+      functions seed and every random op on that GPU draws from, dropout included;
+      ``torch.cuda.Stream``/``Event`` (inert), ``pin_memory()``.
     * Libraries that cache which accelerator the machine has (diffusers) have that cache cleared
       when a simulation starts and when it ends (:mod:`._sim_probes`).
     * Autograd (:mod:`._sim_autograd`): forward passes record history, ``backward()`` and

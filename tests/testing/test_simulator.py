@@ -316,6 +316,52 @@ def test_random_ops_without_a_generator_draw_from_the_simulated_gpus_generator(o
         assert not torch.equal(real_cpu_tensor(op(x)), real_cpu_tensor(first))
 
 
+NO_DRAW = {
+    "nn.Dropout in eval mode": torch.nn.Dropout(0.5).eval(),
+    "dropout training=False": lambda x: F.dropout(x, 0.5, training=False),
+    "dropout p=0": lambda x: F.dropout(x, 0.0),
+    "nn.Dropout(0.0)": torch.nn.Dropout(0.0),
+    "dropout2d training=False": lambda x: F.dropout2d(x.view(2, 8, 4, 1), 0.5, training=False),
+    "alpha_dropout default": lambda x: F.alpha_dropout(x, 0.5),
+    "torch.dropout train False": lambda x: torch.dropout(x, 0.5, False),
+    "torch.dropout p=0": lambda x: torch.dropout(x, 0.0, True),
+    "native_dropout train False": lambda x: torch.native_dropout(x, 0.5, False)[0],
+    "rrelu default": lambda x: F.rrelu(-x),
+    "sdpa without dropout_p": lambda x: F.scaled_dot_product_attention(*(x.view(1, 2, 4, 8),) * 3),
+}
+
+
+@pytest.mark.parametrize("op", list(NO_DRAW.values()), ids=list(NO_DRAW))
+def test_random_ops_that_draw_nothing_leave_the_generators_alone(op, monkeypatch):
+    """Dropout outside training or with p == 0 (as in every forward of a model in eval mode) draws
+    nothing, on CUDA as on the CPU: the simulator does not swap generators for it (about 5 us a
+    call), while the same ops in training still do."""
+    from devmap_shims.testing import _sim_handlers
+
+    swaps = []
+    real = _sim_handlers.drawing_from
+    monkeypatch.setattr(_sim_handlers, "drawing_from", lambda *a: swaps.append(1) or real(*a))
+    with simulated_gpus(2):
+        x = torch.ones(64, device="cuda:1")
+        torch.cuda.manual_seed_all(3)
+        gpu_state = torch.cuda.get_rng_state(1)
+        out = op(x)
+        assert out.device == torch.device("cuda:1")
+        assert torch.equal(torch.cuda.get_rng_state(1), gpu_state)
+        assert swaps == []
+        NO_GENERATOR["dropout"](x)  # the same handler still swaps for a draw
+        assert swaps == [1]
+
+
+def test_native_dropout_with_p_0_still_draws_as_on_cuda():
+    """CUDA's native_dropout moves its generator even with p == 0; the simulator keeps the draw."""
+    with simulated_gpus(1):
+        x = torch.ones(64, device="cuda:0")
+        before = torch.cuda.get_rng_state(0)
+        torch.native_dropout(x, 0.0, True)
+        assert not torch.equal(torch.cuda.get_rng_state(0), before)
+
+
 def test_streams_events_pinned_memory():
     with simulated_gpus(2):
         s = torch.cuda.Stream(device=1)

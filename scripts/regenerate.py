@@ -17,9 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from devmap_shims.cli.matrix import ROWS_HEADING, builtin_markdown, docstring_rows  # noqa: E402
+from devmap_shims.cli.matrix import builtin_markdown, docstring_rows  # noqa: E402
 from devmap_shims.compat_matrix import load_matrix  # noqa: E402
-from devmap_shims.shims.catalog import builtin_modules  # noqa: E402
+from devmap_shims.shims.catalog import ROWS_HEADING, builtin_modules  # noqa: E402
 
 
 def with_rows(source: str, rows: list, path: Path) -> str:

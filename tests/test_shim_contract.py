@@ -32,7 +32,6 @@ import types
 import pytest
 
 from devmap_shims import Shim, Target
-from devmap_shims.cli.matrix import ROWS_HEADING
 from devmap_shims.compat_matrix import load_matrix
 from devmap_shims.shims import ShimContext, ShimError, catalog, wrapping
 from devmap_shims.shims.engine import ENGINE
@@ -242,7 +241,8 @@ def test_declaration_is_well_formed(shim):
         assert module.__name__ == f"devmap_shims.hooks.{library}.{shim.id.replace('-', '_')}", (
             "a built-in shim lives in hooks/<library of its first row>/<shim id with _>.py"
         )
-        assert ROWS_HEADING in (module.__doc__ or "")
+        assert catalog.ROWS_HEADING in (module.__doc__ or "")
+        assert catalog.rows_in_source(module.__name__) == list(shim.fixes)  # read so when it fails to import
 
 
 @per_shim

@@ -60,12 +60,9 @@ def builtin_markdown() -> str:
     return render_markdown(load_matrix(), catalog.shim_of_rows(shims))
 
 
-#: The line in a built-in shim module's docstring after which its rows are generated, to its end.
-ROWS_HEADING = "Rows (generated from known_bugs.toml by scripts/regenerate.py):"
-
-
 def docstring_rows(shim: Any, matrix: Any) -> List[str]:
-    """The generated lines of ``shim``'s docstring: each row it fixes, with its range and fix."""
+    """The generated lines of ``shim``'s docstring, after ``catalog.ROWS_HEADING`` to its end: each
+    row it fixes, with its range and fix."""
     lines = []
     for bug_id in shim.fixes:
         lines.append(f"    {bug_id}")

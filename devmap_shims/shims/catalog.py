@@ -19,6 +19,8 @@ from devmap_shims.shims.record import Shim
 
 HOOKS_PACKAGE = "devmap_shims.hooks"
 HOOKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hooks")
+#: The line of a shim module's docstring after which scripts/regenerate.py writes the rows it fixes.
+ROWS_HEADING = "Rows (generated from known_bugs.toml by scripts/regenerate.py):"
 
 
 def _listing(folder: str) -> List[str]:
@@ -61,7 +63,10 @@ def builtin_shims() -> Tuple[List[Shim], List[str]]:
         try:
             module = importlib.import_module(module_name)
         except Exception as exc:
-            problems.append(f"built-in shim module {module_name} failed to import: {type(exc).__name__}: {exc}")
+            rows = rows_in_source(module_name)
+            fixes = f" (so nothing fixes {', '.join(rows)})" if rows else ""
+            error = f"{type(exc).__name__}: {exc}"
+            problems.append(f"built-in shim module {module_name} failed to import: {error}{fixes}")
             continue
         shim = getattr(module, "SHIM", None)
         if isinstance(shim, Shim):
@@ -69,6 +74,30 @@ def builtin_shims() -> Tuple[List[Shim], List[str]]:
         else:
             problems.append(f"built-in shim module {module_name} declares no SHIM")
     return shims, problems
+
+
+def rows_in_source(module_name: str) -> List[str]:
+    """The rows a built-in shim module fixes, as its docstring lists them under :data:`ROWS_HEADING`,
+    read from its file without importing it (for a module that fails to import); [] when the file
+    or the heading cannot be read."""
+    parts = module_name[len(HOOKS_PACKAGE) + 1:].split(".")
+    base = os.path.join(HOOKS_DIR, *parts)
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        try:
+            with open(path, encoding="utf-8") as source:
+                lines = source.read().splitlines()
+        except (OSError, ValueError):
+            continue
+        rows: List[str] = []
+        listing = False
+        for line in lines:
+            if listing and line.strip() == '"""':
+                return rows
+            if listing and line.startswith("    ") and not line.startswith("     "):
+                rows.append(line.strip())
+            listing = listing or line.strip() == ROWS_HEADING
+        return []
+    return []
 
 
 def shim_of_rows(shims: Iterable[Shim]) -> Dict[str, str]:

@@ -310,6 +310,7 @@ def test_a_shim_module_that_fails_to_import_is_a_problem_not_a_row_without_a_shi
     data = json.loads(proc.stdout)
     (message,) = data["broken_shims"]
     assert re.search(rf"built-in shim module {re.escape(module)} failed to import: (ModuleNotFound|Import)Error", message)
+    assert message.endswith(f"(so nothing fixes {bug_id})")  # read from the module's file
     assert data["summary"]["problems"] == 1 and data["summary"] == demo.summarize(data["bugs"], data["broken_shims"])
     (bug,) = data["bugs"]
     assert bug["shim"] is None  # what a broken module leaves: the reason it is counted as a problem

@@ -12,6 +12,7 @@ import sys
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from devmap_shims.cli._output import EXIT_OK, WIDTH, elide, print_json, wrap
+from devmap_shims.cli._quiet import libraries_silent
 from devmap_shims.shims.config import flag
 from devmap_shims.shims.summary import shim_lines
 from devmap_shims.versions import TARGET_DISTRIBUTIONS
@@ -82,19 +83,22 @@ def run(args: argparse.Namespace) -> int:
 
     ENGINE.install()
     ENGINE.load_builtins()
-    if not args.no_import:
-        versions = ENGINE.registry.versions()
-        modules = sorted({t.target.module for t in ENGINE.registry.target_entries()})
-        for name in modules:
-            top = name.split(".")[0]
-            if versions.get(top) is None and top != "transformers":
-                continue
-            try:
-                importlib.import_module(name)
-            except Exception:
-                pass  # absent or failing target: its entry tells
-    # the GPUs first: listing them imports torch, which the report's imported_now and shims then show
-    devices = _devices() if not args.no_devices else None
+    # what the libraries log or warn as they are imported (a missing optional kernel, a processor
+    # without torchvision) is theirs, not the report's; a shim that fails to arm is in the report
+    with libraries_silent():
+        if not args.no_import:
+            versions = ENGINE.registry.versions()
+            modules = sorted({t.target.module for t in ENGINE.registry.target_entries()})
+            for name in modules:
+                top = name.split(".")[0]
+                if versions.get(top) is None and top != "transformers":
+                    continue
+                try:
+                    importlib.import_module(name)
+                except Exception:
+                    pass  # absent or failing target: its entry tells
+        # the GPUs first: listing them imports torch, which the report's imported_now and shims then show
+        devices = _devices() if not args.no_devices else None
     data = ENGINE.status()
     matrix = ENGINE.registry.matrix()
     # the installed shims first (a plugin's included), then the built-in ones, which the registry

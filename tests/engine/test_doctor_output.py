@@ -35,12 +35,23 @@ def env(**extra):
 
 
 @pytest.fixture(scope="module")
-def doctor_json():
+def doctor_run():
     """``doctor --json`` on this stack, the target modules imported (one run for the module)."""
     proc = subprocess.run([sys.executable, "-m", "devmap_shims", "doctor", "--json"],
                           capture_output=True, text=True, env=env(), timeout=600)
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def doctor_json(doctor_run):
+    return json.loads(doctor_run.stdout)
+
+
+def test_doctor_keeps_what_the_libraries_log_at_import_out_of_its_output(doctor_run):
+    """Importing the targets makes some libraries log or warn (bitsandbytes without an optional
+    kernel package, transformers' image processors without torchvision): none of it is the report."""
+    assert doctor_run.stderr == ""
 
 
 def test_doctor_default_fits_30_lines_of_100_columns_on_this_stack(doctor_json):

@@ -75,6 +75,25 @@ def _take_a_generator(names: Sequence[str]) -> List[Any]:
 RANDOM_ON_TENSORS.update(_take_a_generator(("rand_like", "randn_like", "randint_like")))
 
 
+def _init_functions(names: Sequence[str]) -> List[Any]:
+    """The ``torch.nn.init`` functions that hand themselves to ``__torch_function__`` whole (so the
+    draw inside them is not seen) and take ``generator=``: ``nn.Linear``'s init among them."""
+    import inspect
+
+    found = []
+    for name in names:
+        f = getattr(torch.nn.init, name, None)
+        try:
+            if f is not None and "generator" in inspect.signature(f).parameters:
+                found.append(f)
+        except (TypeError, ValueError):
+            continue
+    return found
+
+
+RANDOM_ON_TENSORS.update(_init_functions(("uniform_", "normal_", "kaiming_uniform_")))
+
+
 def _strip_pin(kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
     if kwargs.get("pin_memory"):
         kwargs = dict(kwargs)

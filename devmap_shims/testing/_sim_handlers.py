@@ -275,36 +275,39 @@ def _h_no_generator(func, args, kwargs):
 
 def _draws(func, args, kwargs) -> bool:
     """Whether this call of a random op without a generator draws (else it runs without the swap of
-    generators, 1.5-5 us a call): not attention without ``dropout_p`` (every forward), not
-    an op told ``training=False`` (every dropout of a model in eval mode), not dropout with
-    ``p == 0``, which ATen returns untouched on CUDA as on the CPU (``_dropout_impl``;
-    ``native_dropout`` draws even then on CUDA, and keeps its swap). Where in doubt, it draws."""
+    generators, 1.5-5 us a call): not attention without ``dropout_p`` (every forward), not an op
+    told ``training=False`` (every dropout of a model in eval mode), not dropout with ``p == 0``,
+    which ATen returns untouched on CUDA as on the CPU (``_dropout_impl``; ``native_dropout`` draws
+    even then on CUDA, and keeps its swap). Where in doubt, it draws."""
     if func is _SDPA:
         return bool(argument_at(args, kwargs, 4, "dropout_p"))
     rule = _NO_DRAW_RULES.get(func)
     if rule is None:
         return True
-    training_at, p_at = rule
+    training_at, p_at, p_name = rule
     if argument_at(args, kwargs, training_at, "training", "train") is False:
         return False
     if p_at is None:
         return True
-    p = argument_at(args, kwargs, p_at, "p")
+    p = argument_at(args, kwargs, p_at, p_name)
     return not (isinstance(p, (int, float)) and p == 0)
 
 
 def _no_draw_rules() -> Dict[Any, Any]:
-    """Per op: the position of its training switch, and of ``p`` where ``p == 0`` draws nothing.
-    torch's functional forms hand both on by keyword; the C bindings take them by position."""
+    """Per op: the position of its training switch, and the position and name of the dropout
+    probability where ``p == 0`` draws nothing. torch's functional forms hand both on by keyword
+    (``multi_head_attention_forward`` its ``dropout_p`` by position); the C bindings take them by
+    position."""
     rules: Dict[Any, Any] = {}
-    for names, training_at, p_at in (
+    for names, training_at, p_at, p_name in (
         (("dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "feature_dropout", "feature_dropout_",
-          "alpha_dropout", "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_"), 2, 1),
-        (("native_dropout",), 2, None),
-        (("rrelu", "rrelu_"), 3, None),
+          "alpha_dropout", "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_"), 2, 1, "p"),
+        (("native_dropout",), 2, None, None),
+        (("rrelu", "rrelu_"), 3, None, None),
+        (("multi_head_attention_forward",), 13, 10, "dropout_p"),
     ):
         for f in torch_functions(*names):
-            rules[f] = (training_at, p_at)
+            rules[f] = (training_at, p_at, p_name)
     return rules
 
 
@@ -350,7 +353,7 @@ def _handlers() -> Dict[Any, Callable]:
             "dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "native_dropout",
             "feature_dropout", "feature_dropout_", "alpha_dropout", "alpha_dropout_",
             "feature_alpha_dropout", "feature_alpha_dropout_", "rrelu", "rrelu_", "gumbel_softmax",
-            "scaled_dot_product_attention",
+            "scaled_dot_product_attention", "multi_head_attention_forward",
         ),
     )
     put(h_grad_get, _TensorBase.grad.__get__)

@@ -291,6 +291,9 @@ NO_GENERATOR = {
     "gumbel_softmax": lambda x: F.gumbel_softmax(x.view(8, 8)),
     "sdpa dropout_p": lambda x: F.scaled_dot_product_attention(*(x.view(1, 2, 4, 8),) * 3, dropout_p=0.5),
     "sdpa positional": lambda x: F.scaled_dot_product_attention(*(x.view(1, 2, 4, 8),) * 3, None, 0.5),
+    # built on the GPU: an init on the CPU would move the CPU's generator itself
+    "nn.MultiheadAttention": lambda x: torch.nn.MultiheadAttention(8, 2, dropout=0.5, device=x.device)(
+        *(x.view(4, 2, 8),) * 3)[0],
 }
 
 
@@ -316,6 +319,33 @@ def test_random_ops_without_a_generator_draw_from_the_simulated_gpus_generator(o
         assert not torch.equal(real_cpu_tensor(op(x)), real_cpu_tensor(first))
 
 
+INITS = {
+    "nn.init.uniform_": lambda t: torch.nn.init.uniform_(t),
+    "nn.init.normal_": lambda t: torch.nn.init.normal_(t),
+    "nn.init.kaiming_uniform_": lambda t: torch.nn.init.kaiming_uniform_(t, a=5 ** 0.5),
+    "nn.Linear on the GPU": lambda t: torch.nn.Linear(8, 8, device=t.device).weight,
+}
+
+
+@pytest.mark.parametrize("init", list(INITS.values()), ids=list(INITS))
+def test_inits_on_a_simulated_gpu_draw_from_its_generator(init):
+    """nn.init's uniform_, normal_ and kaiming_uniform_ (nn.Linear's init) hand themselves whole to
+    __torch_function__, so the draw inside them was the CPU's: a module built on a simulated GPU
+    moved the CPU's generator and ignored torch.cuda.manual_seed."""
+    with simulated_gpus(2):
+        t = torch.empty(8, 8, device="cuda:1")
+        torch.cuda.manual_seed_all(3)
+        cpu_state = torch.get_rng_state()
+        first = real_cpu_tensor(init(t)).clone()
+        assert torch.equal(torch.get_rng_state(), cpu_state)
+        torch.cuda.manual_seed_all(3)
+        torch.cuda.manual_seed(5)  # cuda:0 alone
+        assert torch.equal(real_cpu_tensor(init(t)), first)
+        torch.cuda.manual_seed_all(4)
+        assert not torch.equal(real_cpu_tensor(init(t)), first)
+
+
+_EVAL_ATTENTION = torch.nn.MultiheadAttention(8, 2, dropout=0.5).eval()  # moved to the GPU, a copy per call
 NO_DRAW = {
     "nn.Dropout in eval mode": torch.nn.Dropout(0.5).eval(),
     "dropout training=False": lambda x: F.dropout(x, 0.5, training=False),
@@ -328,13 +358,15 @@ NO_DRAW = {
     "native_dropout train False": lambda x: torch.native_dropout(x, 0.5, False)[0],
     "rrelu default": lambda x: F.rrelu(-x),
     "sdpa without dropout_p": lambda x: F.scaled_dot_product_attention(*(x.view(1, 2, 4, 8),) * 3),
+    "nn.MultiheadAttention in eval mode": lambda x: copy.deepcopy(_EVAL_ATTENTION).to(x.device)(
+        *(x.view(4, 2, 8),) * 3)[0],
 }
 
 
 @pytest.mark.parametrize("op", list(NO_DRAW.values()), ids=list(NO_DRAW))
 def test_random_ops_that_draw_nothing_leave_the_generators_alone(op, monkeypatch):
     """Dropout outside training or with p == 0 (as in every forward of a model in eval mode) draws
-    nothing, on CUDA as on the CPU: the simulator does not swap generators for it (about 5 us a
+    nothing, on CUDA as on the CPU: the simulator does not swap generators for it (1.5-5 us a
     call), while the same ops in training still do."""
     from devmap_shims.testing import _sim_handlers
 

@@ -374,6 +374,17 @@ def test_compat_md_and_shim_docstrings_are_not_stale() -> None:
     assert proc.returncode == 0, f"{proc.stdout}{proc.stderr}run `python scripts/regenerate.py`"
 
 
+def test_the_rows_of_a_shim_module_are_read_from_its_file_as_generated() -> None:
+    """What demo and doctor name when a shim module fails to import (the file is read, not imported)."""
+    import importlib
+
+    from devmap_shims.shims import catalog
+
+    for name in catalog.builtin_modules():
+        assert catalog.rows_in_source(name) == list(importlib.import_module(name).SHIM.fixes), name
+    assert catalog.rows_in_source("devmap_shims.hooks.accelerate.no_such_module") == []
+
+
 def test_markdown_names_the_shim_of_each_row_from_the_shims(matrix: Matrix) -> None:
     text = render_markdown(matrix, {"bnb-quantstate-code-not-moved": "some-shim"})
     assert "| shim `some-shim` |" in text and "- **Shim:** `some-shim`" in text

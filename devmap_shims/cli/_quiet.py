@@ -10,12 +10,12 @@ from typing import Iterator
 
 
 @contextmanager
-def libraries_silent(silent: bool = True) -> Iterator[None]:
-    """While inside, nothing is logged below CRITICAL and no warning is shown, ours included: the
-    libraries a command imports then say nothing (bitsandbytes on a machine without its native
-    library logs an error with a traceback at import; transformers resets its own logger's level as
-    it is first imported, so levels set beforehand would not hold). What was set before comes back
-    after."""
+def libraries_silent(silent: bool = True, up_to: int = 40) -> Iterator[None]:
+    """While inside, nothing is logged at ``up_to`` or below (ERROR: only CRITICAL passes) and no
+    warning is shown, ours included: the libraries a command imports then say nothing
+    (bitsandbytes on a machine without its native library logs an error with a traceback at
+    import; transformers resets its own logger's level as it is first imported, so levels set
+    beforehand would not hold). What was set before comes back after."""
     if not silent:
         yield
         return
@@ -26,7 +26,7 @@ def libraries_silent(silent: bool = True) -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            logging.disable(max(previous, logging.ERROR))  # a stricter level the host set stays
+            logging.disable(max(previous, up_to))  # a stricter level the host set stays
             yield
     finally:
         logging.disable(previous)

@@ -7,13 +7,14 @@ and each of its targets, ``--json`` everything."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from devmap_shims.cli._output import EXIT_OK, WIDTH, elide, print_json, wrap
 from devmap_shims.cli._quiet import libraries_silent
-from devmap_shims.shims.config import flag
+from devmap_shims.shims.config import ENV_LOG, flag
 from devmap_shims.shims.summary import shim_lines
 from devmap_shims.versions import TARGET_DISTRIBUTIONS
 
@@ -83,10 +84,11 @@ def run(args: argparse.Namespace) -> int:
 
     ENGINE.install()
     ENGINE.load_builtins()
-    # what the libraries log or warn as they are imported (a missing optional kernel, a processor
-    # without torchvision) is theirs, not the report's; a shim that fails to arm is in the report
-    with libraries_silent():
-        if not args.no_import:
+    if not args.no_import:
+        # the warnings the libraries log or raise as they are imported (a missing optional kernel, a
+        # processor without torchvision) are theirs, not the report's, and a shim that fails to arm
+        # is in the report; their errors pass, and everything does when DEVMAP_SHIMS_LOG asks for logs
+        with libraries_silent(not os.environ.get(ENV_LOG, "").strip(), up_to=logging.WARNING):
             versions = ENGINE.registry.versions()
             modules = sorted({t.target.module for t in ENGINE.registry.target_entries()})
             for name in modules:
@@ -97,8 +99,9 @@ def run(args: argparse.Namespace) -> int:
                     importlib.import_module(name)
                 except Exception:
                     pass  # absent or failing target: its entry tells
-        # the GPUs first: listing them imports torch, which the report's imported_now and shims then show
-        devices = _devices() if not args.no_devices else None
+    # the GPUs first: listing them imports torch, which the report's imported_now and shims then show;
+    # what torch says about its GPUs (a driver too old, an unsupported GPU) is shown
+    devices = _devices() if not args.no_devices else None
     data = ENGINE.status()
     matrix = ENGINE.registry.matrix()
     # the installed shims first (a plugin's included), then the built-in ones, which the registry

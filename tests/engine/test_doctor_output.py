@@ -67,24 +67,50 @@ def doctor_json(doctor_run):
 
 
 def test_doctor_keeps_the_libraries_import_warnings_out_and_torchs_word_on_gpus_in(doctor_run, doctor_json):
-    """Importing the targets makes some libraries log or warn (bitsandbytes without an optional
-    kernel package, transformers' image processors without torchvision): none of it is the report.
-    What torch says when asked for the GPUs (a driver too old) is the user's to see."""
-    lines = doctor_run.stderr.splitlines()
-    said = [line for line in lines if "driver on your system is too old" in line]
-    assert [line for line in lines if line not in said and not line.startswith(" ")] == [], doctor_run.stderr
+    """What the current stack's libraries warn as doctor imports them (bitsandbytes without its
+    optional kernels package, transformers' image processors without torchvision) is not the
+    report; what torch says when asked for the GPUs (a driver too old) is the user's to see."""
+    for chatter in ("gemm_4bit_forward", "requires torchvision", "compiled without GPU support"):
+        assert chatter not in doctor_run.stderr, doctor_run.stderr
+    said = [line for line in doctor_run.stderr.splitlines() if "driver on your system is too old" in line]
     assert len(said) == (1 if doctor_json["versions"].get("torch") else 0), doctor_run.stderr
 
 
-def test_doctor_shows_the_shims_logs_when_devmap_shims_log_asks(doctor_json):
-    armed = [s["id"] for s in doctor_json["shims"] if s["state"] == "active"]
-    if not armed:
-        pytest.skip("no shim arms on this stack")
-    proc = subprocess.run([sys.executable, "-m", "devmap_shims", "doctor", "--json", "--no-devices"],
-                          capture_output=True, text=True, env=env(DEVMAP_SHIMS_LOG="info"), timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    for shim_id in armed:
-        assert f"{shim_id} active on " in proc.stderr, proc.stderr[-2000:]
+@pytest.mark.parametrize("log", [None, "error"])
+def test_doctor_quiets_import_warnings_only_not_with_devmap_shims_log(log, capsys, caplog, monkeypatch):
+    """Each target import logs a warning and an error and raises a warning: the warnings stay out,
+    the error shows; with DEVMAP_SHIMS_LOG set, everything does."""
+    import importlib
+    import logging
+    import warnings
+
+    from devmap_shims.versions import TARGET_DISTRIBUTIONS
+
+    real = importlib.import_module
+
+    def import_module(name, package=None):
+        if name.split(".")[0] not in TARGET_DISTRIBUTIONS:
+            return real(name, package)
+        logging.getLogger("a_library").warning("import-time warning")
+        logging.getLogger("a_library").error("import-time error")
+        warnings.warn("import-time UserWarning")
+        raise ImportError(f"{name} is not imported in this test")
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    if log:
+        monkeypatch.setenv("DEVMAP_SHIMS_LOG", log)
+    level = logging.getLogger("devmap_shims").level
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert main(["doctor", "--json", "--no-devices"]) == 0
+    finally:
+        logging.getLogger("devmap_shims").setLevel(level)
+    json.loads(capsys.readouterr().out)
+    messages = [r.getMessage() for r in caplog.records if r.name == "a_library"]
+    assert "import-time error" in messages
+    assert ("import-time warning" in messages) == bool(log)
+    assert any("import-time UserWarning" in str(w.message) for w in seen) == bool(log)
 
 
 def test_doctor_default_fits_30_lines_of_100_columns_on_this_stack(doctor_json):

@@ -55,7 +55,7 @@ RANDOM_FACTORIES = set(torch_functions("randn", "rand", "randint", "randperm", "
 RANDOM_ON_TENSORS = set(
     torch_functions(
         "multinomial", "normal", "normal_", "uniform_", "bernoulli", "bernoulli_", "exponential_", "random_",
-        "geometric_", "log_normal_", "cauchy_", "poisson", "binomial",
+        "geometric_", "log_normal_", "cauchy_", "poisson", "binomial", "_standard_gamma", "_sample_dirichlet",
     )
 )
 

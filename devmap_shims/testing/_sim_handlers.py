@@ -264,8 +264,9 @@ def _h_deepcopy(func, args, kwargs):
 
 def _h_no_generator(func, args, kwargs):
     """Random ops whose signatures take no generator (dropout in its forms, rrelu, gumbel_softmax,
-    attention's ``dropout_p``) draw from the default generator of their input's device: on a
-    simulated GPU, from that GPU's generator, so ``torch.cuda.manual_seed`` decides them."""
+    attention's ``dropout_p``, the RNNs' dropout, fractional pooling) draw from the default
+    generator of their input's device: on a simulated GPU, from that GPU's generator, so
+    ``torch.cuda.manual_seed`` decides them."""
     ts = tensor_operands(args, kwargs)
     idx = S.sim_index(ts[0]) if ts else None
     if idx is None or not _draws(func, args, kwargs):
@@ -354,6 +355,9 @@ def _handlers() -> Dict[Any, Callable]:
             "feature_dropout", "feature_dropout_", "alpha_dropout", "alpha_dropout_",
             "feature_alpha_dropout", "feature_alpha_dropout_", "rrelu", "rrelu_", "gumbel_softmax",
             "scaled_dot_product_attention", "multi_head_attention_forward",
+            # the RNNs' dropout between layers, and fractional pooling's samples
+            "lstm", "gru", "rnn_tanh", "rnn_relu", "fractional_max_pool2d", "fractional_max_pool3d",
+            "fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices",
         ),
     )
     put(h_grad_get, _TensorBase.grad.__get__)

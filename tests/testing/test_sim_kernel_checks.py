@@ -519,9 +519,11 @@ def _like_takes_a_generator() -> bool:
     return True
 
 
-RANDOM_ON_A_TENSOR = [lambda x: torch.normal(x, 1.0)] + (
-    [torch.rand_like] if _like_takes_a_generator() else []
-)
+RANDOM_ON_A_TENSOR = [
+    lambda x: torch.normal(x, 1.0),
+    lambda x: torch._standard_gamma(x + 1),  # torch.distributions' Gamma, Beta, Chi2, StudentT
+    lambda x: torch._sample_dirichlet(x + 1),
+] + ([torch.rand_like] if _like_takes_a_generator() else [])
 
 
 @pytest.mark.parametrize("op", RANDOM_ON_A_TENSOR)

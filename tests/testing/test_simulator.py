@@ -278,6 +278,11 @@ def test_cuda_rng_is_seeded_by_torch_manual_seed():
 
 
 # the random ops whose signatures take no generator (functional and in-place forms among them)
+def _stacked(rnn, x):
+    """Two layers of ``rnn`` built on ``x``'s GPU with dropout between them, run on ``x``."""
+    return rnn(8, 8, num_layers=2, dropout=0.5, device=x.device)(x.view(4, 2, 8))[0]
+
+
 NO_GENERATOR = {
     "dropout": lambda x: F.dropout(x, 0.5),
     "nn.Dropout": torch.nn.Dropout(0.5),
@@ -294,6 +299,10 @@ NO_GENERATOR = {
     # built on the GPU: an init on the CPU would move the CPU's generator itself
     "nn.MultiheadAttention": lambda x: torch.nn.MultiheadAttention(8, 2, dropout=0.5, device=x.device)(
         *(x.view(4, 2, 8),) * 3)[0],
+    "nn.LSTM dropout": lambda x: _stacked(torch.nn.LSTM, x),
+    "nn.GRU dropout": lambda x: _stacked(torch.nn.GRU, x),
+    "fractional_max_pool2d": lambda x: F.fractional_max_pool2d(x.cumsum(0).view(1, 1, 8, 8), 2,
+                                                               output_size=5),
 }
 
 
@@ -392,6 +401,23 @@ def test_native_dropout_with_p_0_still_draws_as_on_cuda():
         before = torch.cuda.get_rng_state(0)
         torch.native_dropout(x, 0.0, True)
         assert not torch.equal(torch.cuda.get_rng_state(0), before)
+
+
+def test_rnns_run_on_simulated_gpus_as_on_the_cpu():
+    """nn.LSTM/GRU on a CUDA device flatten their weights with a cuDNN kernel, which the CPU lacks:
+    on a simulated GPU cuDNN is never acceptable, so they run torch's own RNN, with the CPU's result."""
+    torch.manual_seed(0)
+    for make in (torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN):
+        ref = make(8, 8, num_layers=2)
+        x = torch.rand(4, 2, 8)
+        expected = ref(x)[0]
+        with simulated_gpus(2):
+            assert torch.backends.cudnn.is_acceptable(torch.ones(1, device="cuda:1")) is False
+            model = copy.deepcopy(ref).to("cuda:1")
+            out = model(x.to("cuda:1"))[0]
+            out.sum().backward()
+            assert out.device == torch.device("cuda:1") and model.weight_ih_l0.grad.device == out.device
+            assert torch.allclose(real_cpu_tensor(out), expected)
 
 
 def test_streams_events_pinned_memory():
@@ -854,7 +880,7 @@ def test_oom_type_is_torchs():
 # ------------------------------------------------------------------------------------------------
 def _owners():
     owners = [torch, torch.Tensor, torch.cuda, torch.cuda.memory, torch.cuda.random, torch.cuda.streams]
-    owners.append(torch.serialization)
+    owners += [torch.serialization, torch.backends.cudnn]
     if hasattr(torch, "accelerator"):
         owners.append(torch.accelerator)
         if hasattr(torch.accelerator, "memory"):

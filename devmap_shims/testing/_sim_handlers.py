@@ -274,6 +274,46 @@ def _h_no_generator(func, args, kwargs):
     return drawing_from(default_generator(idx), generic, func, args, kwargs)
 
 
+def _packed_on(args, kwargs) -> Any:
+    """The simulated GPU of a packed-sequence call (``_pack_padded_sequence(input, lengths, ...)``,
+    ``_pad_packed_sequence(data, batch_sizes, ...)``, the RNNs' ``(data, batch_sizes, hx, ...)``),
+    whose lengths or batch sizes are the CPU int64 tensor CUDA requires them to be, with every
+    other operand on that GPU; else None (the generic path checks the call as any other)."""
+    if len(args) < 2 or not isinstance(args[0], _Tensor) or not isinstance(args[1], _Tensor):
+        return None
+    idx, sizes = S.sim_index(args[0]), args[1]
+    if idx is None or S.sim_index(sizes) is not None or sizes.dtype != torch.int64 or sizes.is_meta:
+        return None
+    others = [t for t in tensor_operands(args, kwargs) if t is not sizes]
+    return idx if all(S.sim_index(t) == idx for t in others) else None
+
+
+def _run_packed(func, args, kwargs, idx, on_gpu):
+    """The packed-sequence op on the CPU tensors behind the simulation; its outputs at ``on_gpu``
+    (None: all) on the GPU, the sizes it returns on the CPU, as CUDA gives them."""
+    out = func(*args, **kwargs)
+    for i, o in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+        if on_gpu is None or i in on_gpu:
+            tag_all(o, idx)
+    return out
+
+
+def _h_packed_sizes(func, args, kwargs):
+    idx = _packed_on(args, kwargs)
+    if idx is None:
+        return generic(func, args, kwargs)
+    return _run_packed(func, args, kwargs, idx, (0,))  # the data on the GPU, the sizes on the CPU
+
+
+def _h_rnn(func, args, kwargs):
+    """The RNNs: their dropout draws from the GPU's generator; a packed input's batch sizes stay on
+    the CPU."""
+    idx = _packed_on(args, kwargs)
+    if idx is None:
+        return _h_no_generator(func, args, kwargs)
+    return drawing_from(default_generator(idx), _run_packed, func, args, kwargs, idx, None)
+
+
 def _draws(func, args, kwargs) -> bool:
     """Whether this call of a random op without a generator draws (else it runs without the swap of
     generators, 1.5-5 us a call): not attention without ``dropout_p`` (every forward), not an op
@@ -355,11 +395,13 @@ def _handlers() -> Dict[Any, Callable]:
             "feature_dropout", "feature_dropout_", "alpha_dropout", "alpha_dropout_",
             "feature_alpha_dropout", "feature_alpha_dropout_", "rrelu", "rrelu_", "gumbel_softmax",
             "scaled_dot_product_attention", "multi_head_attention_forward",
-            # the RNNs' dropout between layers, and fractional pooling's samples
-            "lstm", "gru", "rnn_tanh", "rnn_relu", "fractional_max_pool2d", "fractional_max_pool3d",
+            # fractional pooling's samples
+            "fractional_max_pool2d", "fractional_max_pool3d",
             "fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices",
         ),
     )
+    put(_h_rnn, *torch_functions("lstm", "gru", "rnn_tanh", "rnn_relu"))  # dropout between layers
+    put(_h_packed_sizes, *torch_functions("_pack_padded_sequence", "_pad_packed_sequence"))
     put(h_grad_get, _TensorBase.grad.__get__)
     put(h_grad_set, _TensorBase.grad.__set__)
     return h

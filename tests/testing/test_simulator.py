@@ -403,18 +403,33 @@ def test_native_dropout_with_p_0_still_draws_as_on_cuda():
         assert not torch.equal(torch.cuda.get_rng_state(0), before)
 
 
-def test_rnns_run_on_simulated_gpus_as_on_the_cpu():
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_rnns_run_on_simulated_gpus_as_on_the_cpu(packed):
     """nn.LSTM/GRU on a CUDA device flatten their weights with a cuDNN kernel, which the CPU lacks:
-    on a simulated GPU cuDNN is never acceptable, so they run torch's own RNN, with the CPU's result."""
+    on a simulated GPU cuDNN is never acceptable, so they run torch's own RNN, with the CPU's result.
+    A packed sequence keeps its lengths and batch sizes on the CPU, as CUDA requires them."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    lengths = torch.tensor([2, 5, 4])
+
+    def run(model, x):
+        if not packed:
+            return model(x)[0]
+        sequence = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        assert sequence.batch_sizes.device.type == "cpu" and sequence.data.device == x.device
+        out, sizes = pad_packed_sequence(model(sequence)[0], batch_first=True)
+        assert sizes.device.type == "cpu" and torch.equal(sizes, lengths)
+        return out
+
     torch.manual_seed(0)
     for make in (torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN):
-        ref = make(8, 8, num_layers=2)
-        x = torch.rand(4, 2, 8)
-        expected = ref(x)[0]
+        ref = make(8, 8, num_layers=2, bidirectional=True, batch_first=True)
+        x = torch.rand(3, 5, 8)
+        expected = run(ref, x)
         with simulated_gpus(2):
             assert torch.backends.cudnn.is_acceptable(torch.ones(1, device="cuda:1")) is False
             model = copy.deepcopy(ref).to("cuda:1")
-            out = model(x.to("cuda:1"))[0]
+            out = run(model, x.to("cuda:1"))
             out.sum().backward()
             assert out.device == torch.device("cuda:1") and model.weight_ih_l0.grad.device == out.device
             assert torch.allclose(real_cpu_tensor(out), expected)

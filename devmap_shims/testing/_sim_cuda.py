@@ -1,6 +1,7 @@
 """Simulated ``torch.cuda`` / ``torch.accelerator`` API: devices, memory, RNG state, streams.
 
-Also the ``torch.device`` stand-in for torch builds where ``torch.device(0)`` asks the driver.
+Also the ``torch.device`` stand-in for torch builds where ``torch.device(0)`` asks the driver, and
+``torch.backends.cudnn.is_acceptable``'s.
 Everything here answers from the active :class:`SimulatedMachine`; nothing reaches the CUDA
 driver.
 """
@@ -151,6 +152,18 @@ def true(*args: Any, **kwargs: Any) -> bool:
 
 def false(*args: Any, **kwargs: Any) -> bool:
     return False
+
+
+_real_cudnn_is_acceptable = torch.backends.cudnn.is_acceptable
+
+
+def cudnn_is_acceptable(tensor: Any) -> bool:
+    """``torch.backends.cudnn.is_acceptable`` during a simulation: never for a tensor on a simulated
+    GPU, as on a build without cuDNN (``nn.LSTM``/``GRU``/``RNN`` would flatten their weights with
+    a cuDNN kernel, which the CPU does not have; they run torch's own RNN instead)."""
+    if S.sim_index(tensor) is not None:
+        return False
+    return _real_cudnn_is_acceptable(tensor)
 
 
 def manual_seed(seed: int) -> None:

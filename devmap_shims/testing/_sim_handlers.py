@@ -6,7 +6,8 @@ device; indexing accepts CPU index tensors, and an assignment through it checks 
 ``index_put_`` does (:mod:`._sim_values`, with ``where``, ``fill_`` and ``masked_fill``);
 ``numpy()`` and ``pin_memory()`` raise on tensors on simulated GPUs; ``backward()`` checks the
 gradients it is given and ``Tensor.grad`` keeps gradients on their tensors' devices
-(:mod:`._sim_autograd`); random ops that take no generator (dropout) draw from their GPU's.
+(:mod:`._sim_autograd`); random ops that take no generator (dropout) draw from their GPU's
+(:mod:`._sim_random`), and packed sequences keep their sizes on the CPU (:mod:`._sim_rnn`).
 :data:`PASSTHROUGH` lists the metadata getters and queries that run untouched (the fast path).
 """
 
@@ -21,16 +22,16 @@ from devmap_shims.calls import argument_at
 from . import _sim_state as S
 from ._sim_autograd import check_backward_call, h_grad_get, h_grad_set
 from ._sim_devices import device_key, fmt_device, off_cpu, parse_device
-from ._sim_generators import default_generator, drawing_from
-from ._sim_generic import dtype_itemsize, generic, run_with_device
-from ._sim_operands import tensor_operands, torch_functions
+from ._sim_generic import dtype_itemsize, run_with_device
+from ._sim_operands import torch_functions
+from ._sim_random import RULES, h_no_generator
+from ._sim_rnn import h_packed_sizes, h_rnn
 from ._sim_storages import is_pinned, mark_pinned, same_storage, sim_copy, tag, tag_all
 from ._sim_values import advanced, check_put_value, h_fill, h_masked_fill, h_where
 
 _TensorBase = torch._C.TensorBase
 _Tensor = torch.Tensor
 _CPU = torch.device("cpu")
-_SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
 def _is_device_like(x: Any) -> bool:
@@ -262,99 +263,6 @@ def _h_deepcopy(func, args, kwargs):
     return out
 
 
-def _h_no_generator(func, args, kwargs):
-    """Random ops whose signatures take no generator (dropout in its forms, rrelu, gumbel_softmax,
-    attention's ``dropout_p``, the RNNs' dropout, fractional pooling) draw from the default
-    generator of their input's device: on a simulated GPU, from that GPU's generator, so
-    ``torch.cuda.manual_seed`` decides them."""
-    ts = tensor_operands(args, kwargs)
-    idx = S.sim_index(ts[0]) if ts else None
-    if idx is None or not _draws(func, args, kwargs):
-        return generic(func, args, kwargs)
-    return drawing_from(default_generator(idx), generic, func, args, kwargs)
-
-
-def _packed_on(args, kwargs) -> Any:
-    """The simulated GPU of a packed-sequence call (``_pack_padded_sequence(input, lengths, ...)``,
-    ``_pad_packed_sequence(data, batch_sizes, ...)``, the RNNs' ``(data, batch_sizes, hx, ...)``),
-    whose lengths or batch sizes are the CPU int64 tensor CUDA requires them to be, with every
-    other operand on that GPU; else None (the generic path checks the call as any other)."""
-    if len(args) < 2 or not isinstance(args[0], _Tensor) or not isinstance(args[1], _Tensor):
-        return None
-    idx, sizes = S.sim_index(args[0]), args[1]
-    if idx is None or S.sim_index(sizes) is not None or sizes.dtype != torch.int64 or sizes.is_meta:
-        return None
-    others = [t for t in tensor_operands(args, kwargs) if t is not sizes]
-    return idx if all(S.sim_index(t) == idx for t in others) else None
-
-
-def _run_packed(func, args, kwargs, idx, on_gpu):
-    """The packed-sequence op on the CPU tensors behind the simulation; its outputs at ``on_gpu``
-    (None: all) on the GPU, the sizes it returns on the CPU, as CUDA gives them."""
-    out = func(*args, **kwargs)
-    for i, o in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
-        if on_gpu is None or i in on_gpu:
-            tag_all(o, idx)
-    return out
-
-
-def _h_packed_sizes(func, args, kwargs):
-    idx = _packed_on(args, kwargs)
-    if idx is None:
-        return generic(func, args, kwargs)
-    return _run_packed(func, args, kwargs, idx, (0,))  # the data on the GPU, the sizes on the CPU
-
-
-def _h_rnn(func, args, kwargs):
-    """The RNNs: their dropout draws from the GPU's generator; a packed input's batch sizes stay on
-    the CPU."""
-    idx = _packed_on(args, kwargs)
-    if idx is None:
-        return _h_no_generator(func, args, kwargs)
-    return drawing_from(default_generator(idx), _run_packed, func, args, kwargs, idx, None)
-
-
-def _draws(func, args, kwargs) -> bool:
-    """Whether this call of a random op without a generator draws (else it runs without the swap of
-    generators, 1.5-5 us a call): not attention without ``dropout_p`` (every forward), not an op
-    told ``training=False`` (every dropout of a model in eval mode), not dropout with ``p == 0``,
-    which ATen returns untouched on CUDA as on the CPU (``_dropout_impl``; ``native_dropout`` draws
-    even then on CUDA, and keeps its swap). Where in doubt, it draws."""
-    if func is _SDPA:
-        return bool(argument_at(args, kwargs, 4, "dropout_p"))
-    rule = _NO_DRAW_RULES.get(func)
-    if rule is None:
-        return True
-    training_at, p_at, p_name = rule
-    if argument_at(args, kwargs, training_at, "training", "train") is False:
-        return False
-    if p_at is None:
-        return True
-    p = argument_at(args, kwargs, p_at, p_name)
-    return not (isinstance(p, (int, float)) and p == 0)
-
-
-def _no_draw_rules() -> Dict[Any, Any]:
-    """Per op: the position of its training switch, and the position and name of the dropout
-    probability where ``p == 0`` draws nothing. torch's functional forms hand both on by keyword
-    (``multi_head_attention_forward`` its ``dropout_p`` by position); the C bindings take them by
-    position."""
-    rules: Dict[Any, Any] = {}
-    for names, training_at, p_at, p_name in (
-        (("dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "feature_dropout", "feature_dropout_",
-          "alpha_dropout", "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_"), 2, 1, "p"),
-        (("native_dropout",), 2, None, None),
-        (("rrelu", "rrelu_"), 3, None, None),
-        (("multi_head_attention_forward",), 13, 10, "dropout_p"),
-    ):
-        for f in torch_functions(*names):
-            rules[f] = (training_at, p_at, p_name)
-    return rules
-
-
-_NO_DRAW_RULES = _no_draw_rules()
-
-
 def _handlers() -> Dict[Any, Callable]:
     h: Dict[Any, Callable] = {}
 
@@ -388,20 +296,9 @@ def _handlers() -> Dict[Any, Callable]:
     put(_h_backward, _Tensor.backward, torch.autograd.backward, torch.autograd.grad)
     put(_h_parse_to, torch._C._nn._parse_to)
     put(_h_deepcopy, _Tensor.__deepcopy__)
-    put(
-        _h_no_generator,
-        *torch_functions(
-            "dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "native_dropout",
-            "feature_dropout", "feature_dropout_", "alpha_dropout", "alpha_dropout_",
-            "feature_alpha_dropout", "feature_alpha_dropout_", "rrelu", "rrelu_", "gumbel_softmax",
-            "scaled_dot_product_attention", "multi_head_attention_forward",
-            # fractional pooling's samples
-            "fractional_max_pool2d", "fractional_max_pool3d",
-            "fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices",
-        ),
-    )
-    put(_h_rnn, *torch_functions("lstm", "gru", "rnn_tanh", "rnn_relu"))  # dropout between layers
-    put(_h_packed_sizes, *torch_functions("_pack_padded_sequence", "_pad_packed_sequence"))
+    put(h_no_generator, *RULES)
+    put(h_rnn, *torch_functions("lstm", "gru", "rnn_tanh", "rnn_relu"))
+    put(h_packed_sizes, *torch_functions("_pack_padded_sequence", "_pad_packed_sequence"))
     put(h_grad_get, _TensorBase.grad.__get__)
     put(h_grad_set, _TensorBase.grad.__set__)
     return h

@@ -115,7 +115,6 @@ _real_device_get = _TensorBase.device.__get__
 _real_is_cuda_get = _TensorBase.is_cuda.__get__
 _real_is_cpu_get = _TensorBase.is_cpu.__get__
 _real_get_device = _TensorBase.get_device
-_real_cudnn_is_acceptable = torch.backends.cudnn.is_acceptable
 
 CUDA_BUILD_HELP = (
     "devmap_shims.testing.simulated_gpus needs a CUDA build of torch, but torch {version} is the "
@@ -236,15 +235,6 @@ def _compile_eagerly(model: Any = None, **kwargs: Any) -> Any:
     return model
 
 
-def _cudnn_is_acceptable(tensor: Any) -> bool:
-    """``torch.backends.cudnn.is_acceptable`` during a simulation: never for a tensor on a simulated
-    GPU, as on a build without cuDNN (``nn.LSTM``/``GRU``/``RNN`` would flatten their weights with
-    a cuDNN kernel, which the CPU does not have; they run torch's own RNN instead)."""
-    if _sim_idx(tensor) is not None:
-        return False
-    return _real_cudnn_is_acceptable(tensor)
-
-
 def _outside_falls_back(stand_in: Any, original: Any) -> Any:
     """A stand-in function that calls the original once no simulation runs (a module that bound
     ``from torch.cuda import device_count`` during a simulation keeps working after it)."""
@@ -311,7 +301,7 @@ def _install(patcher: _Patcher) -> None:
                 if name in mod.__dict__:
                     patcher.set(mod, name, _outside_falls_back(value, mod.__dict__[name]))
     patcher.set(torch, "Generator", _sim_generators.GeneratorStandIn)
-    patcher.set(torch.backends.cudnn, "is_acceptable", _cudnn_is_acceptable)
+    patcher.set(torch.backends.cudnn, "is_acceptable", _sim_cuda.cudnn_is_acceptable)
     # transformers 4.4x compiles the forward for static/hybrid caches when the model is on CUDA
     patcher.set(torch, "compile", _compile_eagerly)
     for owner in (torch, torch.serialization):

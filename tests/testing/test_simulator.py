@@ -377,11 +377,11 @@ def test_random_ops_that_draw_nothing_leave_the_generators_alone(op, monkeypatch
     """Dropout outside training or with p == 0 (as in every forward of a model in eval mode) draws
     nothing, on CUDA as on the CPU: the simulator does not swap generators for it (1.5-5 us a
     call), while the same ops in training still do."""
-    from devmap_shims.testing import _sim_handlers
+    from devmap_shims.testing import _sim_random
 
     swaps = []
-    real = _sim_handlers.drawing_from
-    monkeypatch.setattr(_sim_handlers, "drawing_from", lambda *a: swaps.append(1) or real(*a))
+    real = _sim_random.drawing_from
+    monkeypatch.setattr(_sim_random, "drawing_from", lambda *a: swaps.append(1) or real(*a))
     with simulated_gpus(2):
         x = torch.ones(64, device="cuda:1")
         torch.cuda.manual_seed_all(3)

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from devmap_shims.cli._output import EXIT_OK, WIDTH, elide, print_json, wrap
 from devmap_shims.cli._quiet import libraries_silent
-from devmap_shims.shims.config import ENV_LOG, flag
+from devmap_shims.shims.config import flag, read_settings
 from devmap_shims.shims.summary import shim_lines
 from devmap_shims.versions import TARGET_DISTRIBUTIONS
 
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         # the warnings the libraries log or raise as they are imported (a missing optional kernel, a
         # processor without torchvision) are theirs, not the report's, and a shim that fails to arm
         # is in the report; their errors pass, and everything does when DEVMAP_SHIMS_LOG asks for logs
-        with libraries_silent(not os.environ.get(ENV_LOG, "").strip(), up_to=logging.WARNING):
+        with libraries_silent(read_settings().log_level is None, up_to=logging.WARNING):
             versions = ENGINE.registry.versions()
             modules = sorted({t.target.module for t in ENGINE.registry.target_entries()})
             for name in modules:

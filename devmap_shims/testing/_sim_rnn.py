@@ -2,8 +2,8 @@
 
 ``pack_padded_sequence`` takes its lengths on the CPU, and the packed data's batch sizes stay there
 through the RNNs and ``pad_packed_sequence``: CUDA requires it. Such a call runs on its data's GPU
-with the sizes on the CPU, where the generic path would take it for a mixed-device call. The RNNs'
-dropout between layers draws from the GPU's generator (:mod:`._sim_random`). (cuDNN is never
+with the sizes on the CPU, where the generic path would take it for a mixed-device call; sizes on a
+GPU are refused with ATen's words. The RNNs' dropout between layers draws from the GPU's generator (:mod:`._sim_random`). (cuDNN is never
 acceptable for a simulated tensor: :func:`._sim_cuda.cudnn_is_acceptable`.)"""
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+
+from devmap_shims.calls import argument_at
 
 from . import _sim_state as S
 from ._sim_generators import default_generator, drawing_from
@@ -46,8 +48,23 @@ def _run_packed(func: Any, args: Any, kwargs: Any, idx: int, on_gpu: Any) -> Any
     return out
 
 
+def _sizes_on_the_cpu(args: Any, kwargs: Any) -> None:
+    """aten/src/ATen/native/PackedSequence.cpp ``checkLongTensor``: the lengths (batch sizes) of
+    ``_pack_padded_sequence`` (``_pad_packed_sequence``) must be a 1D CPU int64 tensor, for CUDA data
+    too; the CPU checks the rest itself."""
+    sizes = argument_at(args, kwargs, 1, "lengths", "batch_sizes")
+    idx = S.sim_index(sizes) if isinstance(sizes, _Tensor) else None
+    if idx is not None:
+        scalar_type = sizes.type()[len("torch."):-len("Tensor")]  # the real CPU tensor's: LongTensor
+        raise RuntimeError(
+            "'lengths' argument should be a 1D CPU int64 tensor, but got "
+            f"{sizes.dim()}D cuda:{idx} {scalar_type} tensor"
+        )
+
+
 def h_packed_sizes(func: Any, args: Any, kwargs: Any) -> Any:
     """``_pack_padded_sequence`` and ``_pad_packed_sequence``."""
+    _sizes_on_the_cpu(args, kwargs)
     idx = _packed_on(args, kwargs)
     if idx is None:
         return generic(func, args, kwargs)

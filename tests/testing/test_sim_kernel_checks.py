@@ -2,7 +2,8 @@
 argument-by-argument wrappers (gather, scatter, clamp with tensor bounds, nll_loss, layer_norm...),
 kernels with messages of their own (convolutions, scaled_dot_product_attention), CPU scalars
 refused or counted (addcmul, addcdiv, losses, two scalars), ``out=`` outputs, generators of random
-ops on existing tensors, ``x[idx] = v`` with a one-element value, and CUDA events' elapsed_time.
+ops on existing tensors, ``x[idx] = v`` with a one-element value, CUDA events' elapsed_time, and
+packed sequences' lengths on a GPU.
 
 Each scenario's outcome on a real ``cuda:0`` (torch 2.11, NVIDIA H200) is what the simulated one
 must give here, with the wording of the torch that runs; ``-m gpu`` compares the two on hardware.
@@ -444,6 +445,15 @@ SCENARIOS = {
 }
 
 
+LENGTHS = ("RuntimeError", "'lengths' argument should be a 1D CPU int64 tensor, but got 1D cuda:0 Long tensor")
+
+
+def pack(x, lengths):
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    return pack_padded_sequence(x, lengths).data
+
+
 def _adam_step_with_a_tensor_lr():
     p = torch.nn.Parameter(c(2))
     p.grad = c(2)
@@ -452,7 +462,8 @@ def _adam_step_with_a_tensor_lr():
 
 
 # Calls that CUDA accepts because torch's argument parser reads a 0-dim tensor as a number, or runs
-# each CPU scalar in a kernel of its own; from torch's schemas and dispatch, not yet run on a GPU.
+# each CPU scalar in a kernel of its own, and packed sequences' sizes, which must stay on the CPU;
+# from torch's schemas, dispatch and kernels' source, not yet run on a GPU.
 SCENARIOS.update(
     {
         "addcdiv__cpu0_value": (lambda: c(2).addcdiv_(c(2), c(2), value=cpu0()), ok()),
@@ -472,6 +483,17 @@ SCENARIOS.update(
             lambda: torch.native_group_norm(c(1, 2, 2), torch.ones(2), c(2), 1, 2, 2, 1, 1e-5)[0],
             on_cpu("weight", "wrapper_CUDA__native_group_norm"),
         ),
+        # aten/src/ATen/native/PackedSequence.cpp checkLongTensor, for CUDA data as for CPU data
+        "pack_padded_sequence_cuda_lengths": (lambda: pack(c(3, 2), torch.tensor([3, 2], device=G)), LENGTHS),
+        "pack_padded_sequence_cpu_data_cuda_lengths": (
+            lambda: pack(torch.ones(3, 2), torch.tensor([3, 2], device=G)),
+            LENGTHS,
+        ),
+        "pad_packed_sequence_cuda_batch_sizes": (
+            lambda: torch._VF._pad_packed_sequence(c(5), torch.tensor([2, 2, 1], device=G), False, 0.0, 3)[0],
+            LENGTHS,
+        ),
+        "pack_padded_sequence_cpu_lengths_ok": (lambda: pack(c(3, 2), torch.tensor([3, 2])), ok()),
     }
 )
 NOT_YET_ON_A_GPU = {
@@ -483,6 +505,9 @@ NOT_YET_ON_A_GPU = {
     "scatter_cpu0_value_keyword",
     "l1_loss_0dim_both",
     "native_group_norm_cpu_weight",
+    "pack_padded_sequence_cuda_lengths",
+    "pack_padded_sequence_cpu_data_cuda_lengths",
+    "pad_packed_sequence_cuda_batch_sizes",
 }
 
 

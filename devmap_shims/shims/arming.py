@@ -110,7 +110,15 @@ def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
                 "shim not applied"
             )
             return
-    repair = bind_context(wrapper_of(shim, target), shim_entry.context)
+    wrapper = wrapper_of(shim, target)
+    deferred = _deferred_kind(wrapper)
+    if deferred:
+        raise TypeError(
+            f"its repair {getattr(wrapper, '__qualname__', wrapper)!r} is {deferred}: the call would return "
+            "before the repair's body runs, where no error in it can fall back to the library; a repair "
+            "is a plain function that returns the call's result"
+        )
+    repair = bind_context(wrapper, shim_entry.context)
     guarded = guarded_call(registry, entry, repair)
     if shim.compile_reachable:
         layer = wrapping.make_plain(raw, guarded, owner)
@@ -157,6 +165,19 @@ def displaced(entry: TargetEntry) -> Optional[str]:
         "the library runs unpatched there. Arm it again with devmap_shims.uninstall() then "
         "devmap_shims.install()."
     )
+
+
+def _deferred_kind(wrapper: Any) -> str:
+    """What kind of function ``wrapper`` is when calling it does not run it (a generator, a
+    coroutine or an async generator function), else ""."""
+    import inspect
+
+    for test, kind in ((inspect.isgeneratorfunction, "a generator function"),
+                       (inspect.iscoroutinefunction, "a coroutine function (async def)"),
+                       (inspect.isasyncgenfunction, "an async generator function")):
+        if test(wrapper):
+            return kind
+    return ""
 
 
 def wrapper_of(shim: Any, target: Any) -> Any:

@@ -847,6 +847,48 @@ def test_control_flow_exceptions_reach_the_caller_and_keep_the_shim_on(fake_stac
     assert shim_status()["state"] == "active" and shim_status()["call_failures"] == 0
 
 
+def _generator_repair(wrapped, instance, args, kwargs):
+    yield wrapped(*args, **kwargs) + 1
+
+
+async def _coroutine_repair(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs) + 1
+
+
+async def _async_generator_repair(wrapped, instance, args, kwargs):
+    yield wrapped(*args, **kwargs) + 1
+
+
+@pytest.mark.parametrize("repair, kind", [
+    (_generator_repair, "a generator function"),
+    (_coroutine_repair, "a coroutine function"),
+    (_async_generator_repair, "an async generator function"),
+])
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_repair_that_would_run_after_the_call_returned_is_refused_at_arming(
+    fake_stack, caplog, repair, kind, strict
+):
+    """Calling a generator or async repair returns before its body runs: an error in it would reach
+    the caller out of the guard's reach, and the caller would get a generator or a coroutine in
+    place of the library's result. Such a shim is refused when its target is armed, named with its
+    repair, and the library runs unpatched (strict mode: the import raises)."""
+    from devmap_shims.shims.registry import ShimError
+
+    register_fake(wrapper=repair)
+    devmap_shims.install(only=["fake-fix"], strict=strict)
+    if strict:
+        with pytest.raises(ShimError, match=f"{repair.__name__}.* is {kind}"):
+            import fakelib.core  # noqa: F401
+        return
+    with caplog.at_level(logging.WARNING, logger="devmap_shims"):
+        import fakelib.core
+
+        assert fakelib.core.compute(3) == 6
+    assert shim_status()["state"] == "failed"
+    warned = [r.getMessage() for r in caplog.records if "fake-fix" in r.getMessage()]
+    assert len(warned) == 1 and f"{repair.__name__}' is {kind}" in warned[0], warned
+
+
 def test_a_shim_whose_state_cannot_be_made_is_off_and_the_others_install(fake_stack, caplog):
     """``Shim(state=factory)`` raising at install() fails that shim alone, with one warning; the
     other shims arm, install() succeeds again, and a fork's fresh states do not stop at it."""

@@ -293,7 +293,9 @@ def _tag_new_output(x: Any) -> None:
     pending = S.DEPTH.op_outputs
     if pending is None or not isinstance(x, _Tensor) or S.sim_index(x) is not None or not _real_is_cpu(x):
         return
-    common, operands = pending
+    common, operands, sizes_on_cpu = pending
+    if sizes_on_cpu and x.dtype == torch.int64 and x.dim() == 1:
+        return  # a packed sequence's lengths or batch sizes: on the CPU for CUDA data too
     sid = torch._C._storage_id(x)
     for t in operands:
         try:

@@ -195,10 +195,15 @@ def engine_made(ts: List[torch.Tensor], keys: List[Any]) -> Tuple[Any, Any, bool
     return tagged.pop(), skip, False
 
 
-def _run_announcing(func: Any, args: Sequence[Any], kwargs: Dict[str, Any], common: int, ts: List[Any]) -> Any:
+def run_announcing(
+    func: Any, args: Sequence[Any], kwargs: Dict[str, Any], common: int, ts: List[Any], sizes_on_cpu: bool = False
+) -> Any:
+    """``func(*args, **kwargs)`` with saved-tensor hooks on: a tensor the op saves that is none of
+    its operands ``ts`` is one of its outputs, and the hooks see it on ``common`` (with
+    ``sizes_on_cpu``, a packed sequence's op: a new 1-D int64 tensor is its sizes, on the CPU)."""
     depth = S.DEPTH
     before = depth.op_outputs
-    depth.op_outputs = (common, ts)
+    depth.op_outputs = (common, ts, sizes_on_cpu)
     try:
         return func(*args, **kwargs)
     finally:
@@ -272,7 +277,7 @@ def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         else:
             _check_generator(kwargs, common)
     if S.SAVED_HOOKS:  # saved-tensor hooks see the op's new outputs on its device
-        out = _run_announcing(func, args, kwargs, common, ts)
+        out = run_announcing(func, args, kwargs, common, ts)
     else:
         out = func(*args, **kwargs)
     if isinstance(out, _Tensor):

@@ -16,7 +16,7 @@ from devmap_shims.calls import argument_at
 
 from . import _sim_state as S
 from ._sim_generators import default_generator, drawing_from
-from ._sim_generic import generic
+from ._sim_generic import generic, run_announcing
 from ._sim_operands import tensor_operands
 from ._sim_random import h_no_generator
 from ._sim_storages import tag_all
@@ -41,7 +41,10 @@ def _packed_on(args: Any, kwargs: Any) -> Optional[int]:
 def _run_packed(func: Any, args: Any, kwargs: Any, idx: int, on_gpu: Any) -> Any:
     """The packed-sequence op on the CPU tensors behind the simulation; its outputs at ``on_gpu``
     (None: all) on the GPU, the sizes it returns on the CPU, as CUDA gives them."""
-    out = func(*args, **kwargs)
+    if S.SAVED_HOOKS:  # the hooks see what the op saves on its GPU, the sizes on the CPU
+        out = run_announcing(func, args, kwargs, idx, tensor_operands(args, kwargs), sizes_on_cpu=True)
+    else:
+        out = func(*args, **kwargs)
     for i, o in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
         if on_gpu is None or i in on_gpu:
             tag_all(o, idx)

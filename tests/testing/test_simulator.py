@@ -435,6 +435,32 @@ def test_rnns_run_on_simulated_gpus_as_on_the_cpu(packed):
             assert torch.allclose(real_cpu_tensor(out), expected)
 
 
+def test_saved_tensor_hooks_see_a_packed_rnns_tensors_on_its_gpu_and_the_sizes_on_the_cpu():
+    """A packed RNN call runs in a handler of its own: what its ops save for backward must still
+    reach saved-tensor hooks (activation offloading, checkpointing) on the GPU, as on CUDA, and
+    the batch sizes, which CUDA keeps on the CPU, on the CPU."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(4, 4, batch_first=True)
+    with simulated_gpus(2):
+        model = copy.deepcopy(ref).to("cuda:1")
+        x = torch.rand(3, 5, 4, device="cuda:1", requires_grad=True)
+        seen = set()
+
+        def pack(t):
+            seen.add((str(t.device), t.dtype))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            sequence = pack_padded_sequence(x, torch.tensor([2, 5, 4]), batch_first=True, enforce_sorted=False)
+            out = pad_packed_sequence(model(sequence)[0], batch_first=True)[0]
+        out.sum().backward()
+        assert x.grad.device == model.weight_hh_l0.grad.device == torch.device("cuda:1")
+    assert ("cuda:1", torch.float32) in seen and ("cpu", torch.int64) in seen
+    assert seen <= {("cuda:1", torch.float32), ("cuda:1", torch.int64), ("cpu", torch.int64)}, seen
+
+
 def test_streams_events_pinned_memory():
     with simulated_gpus(2):
         s = torch.cuda.Stream(device=1)

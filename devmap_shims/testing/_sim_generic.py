@@ -196,7 +196,8 @@ def engine_made(ts: List[torch.Tensor], keys: List[Any]) -> Tuple[Any, Any, bool
 
 
 def run_announcing(
-    func: Any, args: Sequence[Any], kwargs: Dict[str, Any], common: int, ts: List[Any], sizes_on_cpu: bool = False
+    func: Any, args: Sequence[Any], kwargs: Dict[str, Any], common: int, ts: List[Any],
+    sizes_on_cpu: bool = False,
 ) -> Any:
     """``func(*args, **kwargs)`` with saved-tensor hooks on: a tensor the op saves that is none of
     its operands ``ts`` is one of its outputs, and the hooks see it on ``common`` (with

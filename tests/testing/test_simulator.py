@@ -453,7 +453,8 @@ def test_saved_tensor_hooks_see_a_packed_rnns_tensors_on_its_gpu_and_the_sizes_o
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            sequence = pack_padded_sequence(x, torch.tensor([2, 5, 4]), batch_first=True, enforce_sorted=False)
+            lengths = torch.tensor([2, 5, 4])
+            sequence = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
             out = pad_packed_sequence(model(sequence)[0], batch_first=True)[0]
         out.sum().backward()
         assert x.grad.device == model.weight_hh_l0.grad.device == torch.device("cuda:1")

@@ -508,6 +508,7 @@ NOT_YET_ON_A_GPU = {
     "pack_padded_sequence_cuda_lengths",
     "pack_padded_sequence_cpu_data_cuda_lengths",
     "pad_packed_sequence_cuda_batch_sizes",
+    "pack_padded_sequence_cpu_lengths_ok",
 }
 
 

@@ -106,9 +106,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    from devmap_shims.shims.config import UnknownShimId
+
     try:
         return int(args.func(args) or 0)
-    except UsageError as exc:
+    except (UsageError, UnknownShimId) as exc:  # strict mode refusing DEVMAP_SHIMS_DISABLE=typo
         print(f"devmap-shims {args.command_name}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # `devmap-shims matrix | head`

@@ -133,5 +133,5 @@ def armed_here(shim: Shim, applies: bool) -> Tuple[bool, str, str]:
     if shim.id in settings.force:
         return True, f"{forced} arms it{'' if applies else ' though none of its rows applies'}", ""
     if not applies:
-        return False, f"{forced} arms it anyway", ""
+        return False, f"none of its rows applies to the installed versions ({forced} arms it anyway)", ""
     return True, f"a row it {'fixes' if shim.repairs else 'warns about'} applies", ""

@@ -164,6 +164,11 @@ def listed(names: List[str], shown: int = SHOWN_NAMES) -> str:
     return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
 
 
+class UnknownShimId(ValueError):
+    """Strict mode's refusal of a switch or an ``install()`` argument that names no shim: the
+    user's configuration, which the CLI reports as a usage error (exit 2)."""
+
+
 def unknown_ids(place: str, unknown: List[str], known: List[str]) -> str:
     """The message for ``unknown`` (ids of no shim) named by ``place`` (a variable, an install()
     argument): one id gets the closest known id, several the list of known ones."""

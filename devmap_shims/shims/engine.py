@@ -120,7 +120,10 @@ class Engine:
             id_problems += _id_problems(known, requested)
             if id_problems and strict_mode:  # strict: a shim id that names nothing is an error
                 # (raised before anything changes: a start-up install this call would replace stays)
-                raise ValueError("; ".join(id_problems))
+                raise config.UnknownShimId(
+                    "; ".join(id_problems) + " (strict mode, DEVMAP_SHIMS_STRICT=1 or install(strict=True), "
+                    "refuses ids that name no shim)"
+                )
             if self.installed:
                 logger().info(
                     "install() from the program replaces the start-up install (DEVMAP_SHIMS=1): %s",

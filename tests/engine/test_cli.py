@@ -180,6 +180,34 @@ def test_armed_here_says_a_shim_that_only_warns_warns(monkeypatch):
     assert armed_here(Shim("fixer", ("row",), targets), True) == (True, "a row it fixes applies", "")
 
 
+def test_armed_here_says_why_a_shim_none_of_whose_rows_applies_is_off(monkeypatch):
+    """explain's armed_reason is what decides it, then how to arm it anyway."""
+    from devmap_shims.shims import Shim, Target
+    from devmap_shims.shims.catalog import armed_here
+
+    for name in ("DEVMAP_SHIMS", "DEVMAP_SHIMS_DISABLE", "DEVMAP_SHIMS_FORCE"):
+        monkeypatch.delenv(name, raising=False)
+    targets = (Target("json", "dumps"),)
+    assert armed_here(Shim("fixer", ("row",), targets), False) == (
+        False, "none of its rows applies to the installed versions (DEVMAP_SHIMS_FORCE=fixer arms it anyway)",
+        "")
+
+
+def test_strict_mode_refusing_a_mistyped_switch_is_a_usage_error_with_the_whole_message(capsys, monkeypatch):
+    """DEVMAP_SHIMS_STRICT=1 makes install() refuse DEVMAP_SHIMS_DISABLE=typo: doctor says so as a
+    usage error (exit 2), the message whole (every known id), not as a crash cut at 300 characters."""
+    from devmap_shims.shims.catalog import builtin_ids
+
+    monkeypatch.setenv("DEVMAP_SHIMS_STRICT", "1")
+    monkeypatch.setenv("DEVMAP_SHIMS_DISABLE", "typo")
+    code, out, err = run_cli(capsys, "doctor", "--json", "--no-import", "--no-devices")
+    assert (code, out) == (2, "")
+    assert err.startswith(
+        "devmap-shims doctor: error: DEVMAP_SHIMS_DISABLE names unknown shim 'typo'; known shims: ")
+    assert all(shim_id in err for shim_id in builtin_ids())
+    assert "strict mode" in err and "ValueError" not in err
+
+
 def test_doctor_json(capsys):
     code, out, _ = run_cli(capsys, "doctor", "--json", "--no-import", "--no-devices")
     data = json.loads(out)

@@ -157,12 +157,31 @@ def _build_config(data: Dict[str, Any], path: Path) -> Any:
 
     fields = dict(data)
     model_type = fields.pop("model_type")
+    _known_model_type(model_type, path)
     try:
         return AutoConfig.for_model(model_type, **fields)
     except ValueError as exc:
         raise UsageError(f"{path}: {one_line(exc)}") from None
     except Exception as exc:
         raise UsageError(f"{path}: cannot build a {model_type} config: {type(exc).__name__}: {one_line(exc)}") from None
+
+
+def _known_model_type(model_type: str, path: Path) -> None:
+    """Refuse a ``model_type`` the installed transformers has no config class for, naming its
+    version and the closest type it knows (transformers' own message lists all of them)."""
+    import difflib
+
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type in CONFIG_MAPPING:
+        return
+    close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=1)
+    raise UsageError(
+        f"{path}: transformers {transformers.__version__} cannot build model_type {model_type[:64]!r}"
+        + (f"; did you mean {close[0]!r}?" if close else "")
+        + " (a model newer than this transformers needs a newer release; plan runs no remote code)"
+    )
 
 
 def shim_armed() -> Tuple[bool, str]:

@@ -1,7 +1,8 @@
 """Memory sizes and GPU topologies written by people: ``23GiB``, ``80GB``, ``8x23GiB``.
 
 Units follow accelerate's ``convert_file_size_to_int``: ``KB/MB/GB/TB`` are powers of 1000,
-``KiB/MiB/GiB/TiB`` powers of 1024, and a bare number is bytes. Case does not matter.
+``KiB/MiB/GiB/TiB`` powers of 1024, and a bare number is bytes. Case does not matter. ``PB/PiB``
+are read too, so that a size past the bound of :data:`MAX_SIZE` is told so rather than unreadable.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ _UNITS = {
     "mib": 2**20,
     "gib": 2**30,
     "tib": 2**40,
+    "pb": 10**15,
+    "pib": 2**50,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _GROUP_RE = re.compile(r"^\s*(?:(\d+)\s*[xX*]\s*)?(.+?)\s*$")

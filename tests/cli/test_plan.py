@@ -90,10 +90,18 @@ def test_unreadable_configs(capsys, tmp_path, text):
 
 
 def test_unknown_model_type(capsys, tmp_path):
-    pytest.importorskip("transformers")
+    """Named with the installed transformers' version and the closest type it knows, in one line
+    (transformers' own message lists every type and was cut mid-word)."""
+    transformers = pytest.importorskip("transformers")
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "no-such-architecture"}))
-    assert_usage_error(*run(capsys, str(path), "--gpus", "8x23GiB"))
+    code, out, err = run(capsys, str(path), "--gpus", "8x23GiB")
+    assert_usage_error(code, out, err)
+    assert f"transformers {transformers.__version__} cannot build model_type 'no-such-architecture'" in err
+    path.write_text(json.dumps({"model_type": "lama", "num_hidden_layers": 2}))  # a typo of llama
+    code, out, err = run(capsys, str(path), "--gpus", "8x23GiB")
+    assert_usage_error(code, out, err)
+    assert "cannot build model_type 'lama'; did you mean 'llama'?" in err
 
 
 def test_not_a_causal_lm(capsys, tmp_path):

@@ -92,6 +92,9 @@ def test_a_huge_config_file_is_not_read(capsys, tmp_path):
 @pytest.mark.parametrize("option, value, phrase", [
     ("--gpus", "8x" + "9" * 400 + "GiB", "not a memory size"),
     ("--gpus", "8x100000TiB", "over 1 PiB"),
+    ("--gpus", "2x2PiB", "over 1 PiB"),  # told too large, not unreadable
+    ("--cpu-memory", "5PiB", "over 1 PiB"),
+    ("--cpu-memory", "1.2PB", "over 1 PiB"),
     ("--gpus", "4000x80GiB,4000x80GiB", "more than 4096 GPUs"),
     ("--gpus", "99999999999999999999x1GiB", "more than 4096 GPUs"),
     ("--cpu-memory", "1e400GiB", "not a memory size"),

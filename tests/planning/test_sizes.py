@@ -15,6 +15,7 @@ from devmap_shims.planning import TopologyError, format_bytes, parse_gpus, parse
         ("512MiB", 512 * 2**20),
         ("1000", 1000),
         (" 2 TiB ", 2 * 2**40),
+        ("1PiB", 2**50),  # the bound itself
         (7, 7),
     ],
 )

@@ -134,18 +134,19 @@ def _replay_row(bug_id: str, item: Any, affected: bool, why: str, shim: Optional
         "shim": shim,
         "without_shims": without.as_dict(),
         "with_shims": with_shims.as_dict() if with_shims else None,
-        "verdict": _verdict(affected, without, with_shims),
+        "verdict": _verdict(affected, without, with_shims, off),
     }
 
 
-def _verdict(applies: bool, without: Any, with_shims: Any) -> str:
+def _verdict(applies: bool, without: Any, with_shims: Any, off: str = "") -> str:
     if without.unavailable:
         return "unavailable"
     if applies:
         if without.ok:
             return "not reproduced"  # the row says affected, the stack disagrees
-        if with_shims is None:
-            return "reproduced (no shim: see workaround)"
+        if with_shims is None:  # no shim, or one a switch keeps off
+            return f"reproduced ({off} switches the shim off)" if off else (
+                "reproduced (no shim: see workaround)")
         return "fixed" if with_shims.ok else "NOT FIXED"
     ok = without.ok and (with_shims is None or with_shims.ok)
     return "ok (not affected)" if ok else "UNEXPECTED FAILURE"

@@ -332,3 +332,29 @@ def test_json_output_keeps_stdout_for_the_json_and_the_progress_lines_on_stderr(
     lines = proc.stderr.splitlines()
     assert lines == [f"[{i}/{len(lines)}] replaying {row.id} ..." for i in range(1, len(lines) + 1)], proc.stderr
     assert len(lines) == len(SCENARIOS[row.id])
+
+
+def test_the_replay_of_a_row_whose_shim_a_switch_keeps_off_names_the_switch(monkeypatch):
+    """DEVMAP_SHIMS_DISABLE=<shim>: the row is replayed without the shim only, and its verdict names
+    the switch rather than saying there is no shim."""
+    from types import SimpleNamespace
+
+    from devmap_shims.scenarios import replay as replay_module
+    from devmap_shims.scenarios.replay import Outcome
+
+    runs = []
+
+    def replayed(item, shims, shim_id=None):
+        runs.append(shims)
+        return Outcome(ok=False, detail="the bug shows", seconds=0.0)
+
+    monkeypatch.setattr(replay_module, "replay", replayed)
+    monkeypatch.setenv("DEVMAP_SHIMS_DISABLE", "generate-input-device")
+    item = SimpleNamespace(name="s", title="t")
+    bug_id = "transformers-generate-mask-device"
+    row = demo._replay_row(bug_id, item, True, "in range", "generate-input-device")
+    assert runs == [False] and row["with_shims"] is None
+    assert row["verdict"] == "reproduced (DEVMAP_SHIMS_DISABLE=generate-input-device switches the shim off)"
+    monkeypatch.delenv("DEVMAP_SHIMS_DISABLE")
+    row = demo._replay_row(bug_id, item, True, "in range", None)
+    assert row["verdict"] == "reproduced (no shim: see workaround)"

@@ -3,8 +3,9 @@
 ``pack_padded_sequence`` takes its lengths on the CPU, and the packed data's batch sizes stay there
 through the RNNs and ``pad_packed_sequence``: CUDA requires it. Such a call runs on its data's GPU
 with the sizes on the CPU, where the generic path would take it for a mixed-device call; sizes on a
-GPU are refused with ATen's words. The RNNs' dropout between layers draws from the GPU's generator (:mod:`._sim_random`). (cuDNN is never
-acceptable for a simulated tensor: :func:`._sim_cuda.cudnn_is_acceptable`.)"""
+GPU are refused with ATen's words. The RNNs' dropout between layers draws from the GPU's generator
+(:mod:`._sim_random`). (cuDNN is never acceptable for a simulated tensor:
+:func:`._sim_cuda.cudnn_is_acceptable`.)"""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
             flush_rebinds(registry)
             owner, name, raw = wrapping.resolve(module, target.qualname)
     except AttributeError as exc:
-        entry.state, entry.reason = SKIPPED, f"target missing: {exc} (the library changed; shim not applied)"
+        _not_applied(registry, entry, f"target missing: {exc} (the library changed; shim not applied)", exc)
         return
     # the attribute itself, not what __wrapped__ claims: an override decorated with
     # functools.wraps(Base.m) need not call Base.m
@@ -104,11 +104,10 @@ def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
             params = set()
         missing = [p for p in target.expect_params if p not in params]
         if missing:
-            entry.state = SKIPPED
-            entry.reason = (
+            _not_applied(registry, entry, (
                 f"signature drift: {target.key} has no parameter(s) {', '.join(missing)}; "
                 "shim not applied"
-            )
+            ))
             return
     wrapper = wrapper_of(shim, target)
     deferred = _deferred_kind(wrapper)
@@ -164,6 +163,27 @@ def displaced(entry: TargetEntry) -> Optional[str]:
         f"{target.key} no longer calls the layer of shim {entry.shim_entry.shim.id!r} ({gone}); "
         "the library runs unpatched there. Arm it again with devmap_shims.uninstall() then "
         "devmap_shims.install()."
+    )
+
+
+class LibraryChanged(LookupError):
+    """A target of a shim whose bug applies here is gone or has other parameters (strict mode)."""
+
+
+def _not_applied(
+    registry: Registry, entry: TargetEntry, reason: str, cause: Optional[BaseException] = None
+) -> None:
+    """``entry``'s target cannot take the repair (the library changed), though a row of its shim
+    applies here or the shim is forced: skipped with one warning, as that call runs unrepaired;
+    strict mode raises instead (:func:`arm` makes it a :class:`ShimError`)."""
+    if registry.strict:
+        raise LibraryChanged(reason) from cause
+    entry.state, entry.reason = SKIPPED, reason
+    shim = entry.shim_entry.shim
+    registry.warn(
+        f"shim {shim.id!r} is not applied to {entry.target.key}, which runs unrepaired: {reason} "
+        f"(the shim fixes {', '.join(shim.fixes)}). A devmap-shims release that knows this library version "
+        "may; `devmap-shims doctor` lists every target."
     )
 
 

@@ -368,22 +368,51 @@ def test_target_when_gate_skips_target_for_other_consumer_versions(fake_stack):
     assert "target not used on this stack" in shim_status()["targets"][0]["reason"]
 
 
-def test_signature_drift_skips(fake_stack):
-    register_fake(target_kw={"expect_params": ("x", "scale", "device")})
-    devmap_shims.install(only=["fake-fix"])
-    import fakelib.core
+@pytest.mark.parametrize("changed, phrase", [
+    ({"target_kw": {"expect_params": ("x", "scale", "device")}}, "signature drift"),
+    ({"target": "no_such_function"}, "target missing"),
+], ids=["signature-drift", "target-missing"])
+@pytest.mark.parametrize("imported_first", [False, True])
+def test_a_target_the_library_changed_is_skipped_with_a_warning_and_refused_in_strict_mode(
+    fake_stack, caplog, changed, phrase, imported_first
+):
+    """The bug applies but its target is gone or takes other parameters: the call runs unrepaired,
+    which one warning says (the user would otherwise lose the repair without a word); strict mode
+    raises ShimError, from install() or from the import that arms it."""
+    from devmap_shims.shims.registry import ShimError
+
+    register_fake(**changed)
+    if imported_first:
+        import fakelib.core  # noqa: F401
+    with caplog.at_level(logging.WARNING, logger="devmap_shims"):
+        devmap_shims.install(only=["fake-fix"])
+        import fakelib.core
 
     assert fakelib.core.compute(3) == 6
-    reason = shim_status()["targets"][0]["reason"]
-    assert "signature drift" in reason and "device" in reason
+    target = shim_status()["targets"][0]
+    assert target["state"] == "skipped" and phrase in target["reason"]
+    warned = [r.getMessage() for r in caplog.records if "fake-fix" in r.getMessage()]
+    assert len(warned) == 1 and "runs unrepaired" in warned[0] and phrase in warned[0], warned
+    devmap_shims.uninstall()
+    if imported_first:
+        with pytest.raises(ShimError, match=phrase):
+            devmap_shims.install(only=["fake-fix"], strict=True)
+        assert not devmap_shims.is_installed()
+    else:
+        import sys
+
+        del sys.modules["fakelib.core"]
+        devmap_shims.install(only=["fake-fix"], strict=True)
+        with pytest.raises(ShimError, match=phrase):
+            import fakelib.core  # noqa: F401
 
 
-def test_missing_target_is_skipped(fake_stack):
-    register_fake(target="no_such_function")
-    devmap_shims.install(only=["fake-fix"])
-    import fakelib.core  # noqa: F401
-
-    assert "target missing" in shim_status()["targets"][0]["reason"]
+def test_a_target_skipped_for_a_bug_that_is_not_here_is_not_warned_about(fake_stack, caplog):
+    register_fake(target="no_such_function", spec=">=5.0")
+    with caplog.at_level(logging.WARNING, logger="devmap_shims"):
+        devmap_shims.install(only=["fake-fix"])
+        import fakelib.core  # noqa: F401
+    assert shim_status()["targets"][0]["state"] == "skipped" and "fake-fix" not in caplog.text
 
 
 def test_only_and_exclude_select(fake_stack):

@@ -59,7 +59,8 @@ def install(
 ) -> bool:
     """Arm the shims whose bugs apply to the installed versions.
 
-    only:    shim ids to consider (default: all).
+    only:    shim ids to consider (default: all). Ids come as a list of strings or as one string
+             separated by commas, as the variables take them.
     exclude: shim ids to leave off (adds to ``DEVMAP_SHIMS_DISABLE``); ``"*"``: every one.
     force:   shim ids to arm even where the matrix says the bug is absent (adds to
              ``DEVMAP_SHIMS_FORCE``).
@@ -67,6 +68,9 @@ def install(
              library unpatched (default: ``DEVMAP_SHIMS_STRICT``).
     plugins: load shims and matrix rows from other distributions' entry points (default: yes
              unless ``DEVMAP_SHIMS_NO_PLUGINS=1``).
+
+    ``strict`` and ``plugins`` take a bool or the variables' words (``"false"``, ``"on"``...);
+    an argument of another type raises TypeError naming it.
 
     Returns True when the shims are installed after the call. A second call is a no-op (with a
     warning when its arguments differ: ``uninstall()`` first), except after the start-up install

@@ -22,12 +22,40 @@ from devmap_shims.shims.registry import Registry, ShimError, logger
 from devmap_shims.versions import TARGET_DISTRIBUTIONS
 
 
-def _as_tuple(ids: Optional[Iterable[str]]) -> Optional[Tuple[str, ...]]:
+def _as_tuple(name: str, ids: Optional[Iterable[str]]) -> Optional[Tuple[str, ...]]:
+    """``install(name=ids)`` as a tuple of shim ids: an iterable of strings, or one string of ids
+    separated by commas, as ``DEVMAP_SHIMS_DISABLE`` takes them."""
     if ids is None:
         return None
     if isinstance(ids, str):
-        return (ids,)
-    return tuple(ids)
+        return tuple(part.strip() for part in ids.split(",") if part.strip())
+    wrong = ""
+    try:
+        ids = tuple(ids)
+    except TypeError:
+        wrong = type(ids).__name__
+    else:
+        odd = [i for i in ids if not isinstance(i, str)]
+        wrong = f"a list holding {type(odd[0]).__name__} {odd[0]!r:.40}" if odd else ""
+    if wrong:
+        raise TypeError(f"install({name}=...) takes shim ids, as a list of strings or one string like "
+                        f"'a,b', not {wrong}")
+    return ids
+
+
+def _as_switch(name: str, value: Any) -> Optional[bool]:
+    """``install(name=value)`` for a switch: None, a bool, 0 or 1, or the words the environment
+    variables take (``"false"``, ``"on"``...); anything else is refused rather than read as true."""
+    from devmap_shims.shims.config import FALSE, TRUE, flag
+
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and flag(value) is not None:
+        return flag(value)
+    words = ", ".join(TRUE + FALSE)
+    raise TypeError(f"install({name}={value!r:.40}) takes True or False (or one of {words})")
 
 
 class Engine:
@@ -67,7 +95,10 @@ class Engine:
         settings = config.read_settings()
         logs.configure(settings.log_level)
         registry = self.registry
-        strict_mode = settings.strict if strict is None else bool(strict)
+        strict, plugins = _as_switch("strict", strict), _as_switch("plugins", plugins)
+        only, exclude = _as_tuple("only", only), _as_tuple("exclude", exclude)
+        force = _as_tuple("force", force)
+        strict_mode = settings.strict if strict is None else strict
         with registry.lock:
             for problem in settings.problems:
                 registry.warn(problem, logged=problem in config.LOGGED_AT_START_UP)
@@ -79,9 +110,9 @@ class Engine:
                     logger().info("DEVMAP_SHIMS=0, shims not installed")
                 return False
             requested = {
-                "only": _as_tuple(only),
-                "exclude": _as_tuple(exclude) or (),
-                "force": _as_tuple(force) or (),
+                "only": only,
+                "exclude": exclude or (),
+                "force": force or (),
                 "strict": strict_mode,
                 "plugins": plugins,
             }
@@ -296,6 +327,10 @@ class Engine:
 
             if shim.id in catalog.builtin_ids():  # before install() too: it would be dropped there
                 raise ValueError(f"{shim.id!r} is the id of a built-in shim; give this shim another id")
+            for target in shim.targets:  # here, not when the target is armed in some later import
+                shim.wrapper_for(target)
+            if shim.source == "builtin":  # Shim()'s default: say where it came from
+                shim = shim.replace(source="register()")
             rows = [dict(r, source=r.get("source", f"register({shim.id!r})")) for r in matrix_rows]
             self.registered.append(shim)
             self.registered_rows.extend(rows)

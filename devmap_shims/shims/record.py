@@ -179,6 +179,9 @@ class Shim(_Record):
             fixes = (fixes,)
         if not isinstance(id, str) or not id:
             raise TypeError(f"Shim id must be a non-empty string, not {id!r:.60}")
+        if id == "*" or "," in id or any(c.isspace() for c in id):
+            raise ValueError(f"Shim id {id!r:.60} cannot be named in DEVMAP_SHIMS_DISABLE or _FORCE (a list "
+                             "separated by commas, '*' for all): leave out spaces and commas")
         targets = tuple(targets)
         wrong = [t for t in targets if not isinstance(t, Target)]
         if wrong:  # caught here, not at every later install()
@@ -211,7 +214,8 @@ class Shim(_Record):
     def wrapper_for(self, target: Target) -> WrapperRef:
         ref = target.wrapper if target.wrapper is not None else self.wrapper
         if ref is None:
-            raise ValueError(f"shim {self.id!r} gives no wrapper for {target.key}")
+            raise ValueError(f"shim {self.id!r} gives no wrapper for {target.key}: pass Shim(wrapper=...) or "
+                             "Target(wrapper=...)")
         return ref
 
 

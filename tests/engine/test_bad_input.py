@@ -135,6 +135,40 @@ def test_plugin_entry_point_that_is_not_a_shim(monkeypatch):
     assert shims == [] and "gave 42, not a devmap_shims Shim" in problems[0]
 
 
+def test_install_arguments_of_the_wrong_type_are_named_not_read_as_true(fake_stack):
+    """strict="false" was strict mode on, plugins="no" plugins on; only=5 an 'int is not iterable'
+    from deep inside. A switch takes a bool or the environment variables' words; ids a list of
+    strings or one string of ids separated by commas, as DEVMAP_SHIMS_DISABLE takes them."""
+    with pytest.raises(TypeError, match=r"install\(only=...\) takes shim ids.*not int"):
+        devmap_shims.install(only=5)
+    with pytest.raises(TypeError, match=r"install\(exclude=...\) takes shim ids.*a list holding int 3"):
+        devmap_shims.install(exclude=["device-map-balance", 3])
+    with pytest.raises(TypeError, match=r"install\(strict='maybe'\) takes True or False"):
+        devmap_shims.install(strict="maybe")
+    with pytest.raises(TypeError, match=r"install\(plugins=\[\]\) takes True or False"):
+        devmap_shims.install(plugins=[])
+    assert not devmap_shims.is_installed()
+    assert devmap_shims.install(strict="false", exclude="device-map-balance, tied-sizes-counted-once")
+    data = devmap_shims.status()
+    assert data["strict"] is False and data["warnings"] == []
+    off = {s["id"] for s in data["shims"] if not s["selected"]}
+    assert off == {"device-map-balance", "tied-sizes-counted-once"}
+
+
+def test_a_shim_id_the_variables_cannot_name_is_refused_where_it_is_declared():
+    for bad in ("Bad Id!", "a,b", "*"):
+        with pytest.raises(ValueError, match="cannot be named in DEVMAP_SHIMS_DISABLE"):
+            Shim(bad, ("x",), (Target("a.b", "c"),), add_one)
+
+
+def test_register_refuses_a_target_without_a_wrapper_and_labels_the_shim_it_keeps():
+    with pytest.raises(ValueError, match=r"gives no wrapper for a.b:c: pass Shim\(wrapper=...\)"):
+        devmap_shims.register(Shim("nowrap", ("x",), (Target("a.b", "c"),)))
+    devmap_shims.register(Shim("mine", ("x",), (Target("a.b", "c"),), add_one))
+    devmap_shims.install()
+    assert next(s for s in devmap_shims.status()["shims"] if s["id"] == "mine")["source"] == "register()"
+
+
 def test_register_rejects_non_shims_and_duplicates():
     with pytest.raises(TypeError, match="takes a devmap_shims.Shim"):
         devmap_shims.register("device-map-balance")

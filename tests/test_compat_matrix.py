@@ -237,6 +237,8 @@ MALFORMED = [
     ("unfixed without date", {"fixed_in": "unfixed"}, "last_checked", 'fixed_in = "unfixed"'),
     ("bad date", {"fixed_in": "unfixed", "last_checked": "2026-13-01"}, "last_checked", "YYYY-MM-DD"),
     ("no workaround", {"workaround": _DELETE}, "workaround", "missing required field"),
+    ("several missing", {"verification": _DELETE, "workaround": _DELETE, "symptom": _DELETE}, "symptom",
+     "missing required field (also missing: verification, workaround)"),
     ("upstream without number", {"upstream": ["huggingface/accelerate/3244"]}, "upstream", "owner/repo#N"),
     ("upstream without owner", {"upstream": ["accelerate#3244"]}, "upstream", "owner/repo#N"),
     ("unknown grade", {"verification": ["verified"]}, "verification", "unknown grade 'verified'"),

@@ -242,9 +242,10 @@ def parse_row(data: Any, *, source: str, index: int, row_type: Callable[..., Any
             close = difflib.get_close_matches(field, FIELDS, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(FIELDS)}"
             raise ctx.error(field, f"unknown field{hint}")
-    for field, required in FIELDS.items():
-        if required and field not in data:
-            raise ctx.error(field, "missing required field")
+    missing = [field for field, required in FIELDS.items() if required and field not in data]
+    if missing:  # all of them at once: a new row is written in one go, not one run per field
+        also = f" (also missing: {', '.join(missing[1:])})" if len(missing) > 1 else ""
+        raise ctx.error(missing[0], f"missing required field{also}")
 
     values: dict[str, Any] = {
         "id": _slug(ctx, "id", data["id"]),

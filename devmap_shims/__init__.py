@@ -106,7 +106,8 @@ def register(shim: Shim, matrix_rows: Iterable[Dict[str, Any]] = ()) -> None:
 
 
 def status() -> Dict[str, Any]:
-    """The registry's state as plain data (what ``devmap-shims doctor --json`` prints)."""
+    """The registry's state as plain data, the part of ``devmap-shims doctor --json`` that doctor
+    reads from it (doctor installs first; before ``install()`` the list of shims is empty)."""
     return _engine().status()
 
 

@@ -61,6 +61,14 @@ def test_parse_memory_rejects(bad):
         parse_memory(bad)
 
 
+@pytest.mark.parametrize("name", [None, 123, ""])
+def test_a_gpu_name_that_is_no_name_is_refused(name):
+    # torch.cuda.get_device_name() answered None or 123 with it
+    with pytest.raises(TypeError, match="the GPUs' name, a non-empty string"):
+        with simulated_gpus(1, name=name):
+            pass
+
+
 def test_format_size_matches_caching_allocator():
     assert format_size(512) == "512 bytes"
     assert format_size(1024) == "1024 bytes"

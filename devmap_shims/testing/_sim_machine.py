@@ -130,7 +130,8 @@ class SimulatedMachine:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"simulated_gpus needs n >= 1 GPUs, got {n!r}")
         if not isinstance(name, str) or not name.strip():
-            raise TypeError(f"simulated_gpus(name=...) is the GPUs' name, a non-empty string, not {name!r:.60}")
+            raise TypeError(
+                f"simulated_gpus(name=...) is the GPUs' name, a non-empty string, not {name!r:.60}")
         if isinstance(memory, (list, tuple)):
             if len(memory) != n:
                 raise ValueError(f"memory lists {len(memory)} sizes for {n} simulated GPUs")

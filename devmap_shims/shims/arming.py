@@ -78,6 +78,9 @@ def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
             # time would have, so this target is wrapped over that layer
             flush_rebinds(registry)
             owner, name, raw = wrapping.resolve(module, target.qualname)
+    except wrapping.InheritedFromAnotherLibrary as exc:  # this release has no such method of its own
+        entry.state, entry.reason = SKIPPED, f"target missing: {exc} (nothing of the library's to wrap)"
+        return
     except AttributeError as exc:
         _not_applied(registry, entry, f"target missing: {exc} (the library changed; shim not applied)", exc)
         return

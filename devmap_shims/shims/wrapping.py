@@ -95,6 +95,12 @@ def devmap_wrapper_type() -> type:
     return _wrapper_type
 
 
+class InheritedFromAnotherLibrary(AttributeError):
+    """The target is a method this release of the library does not define, only inherits from
+    another library's class (torch's ``Module.cuda`` as transformers 4.27's
+    ``PreTrainedModel.cuda``): nothing of this library's to wrap, and nothing missing."""
+
+
 def resolve(module: ModuleType, qualname: str) -> Tuple[Any, str, Any]:
     """``(owner, attribute name, raw attribute)`` for ``qualname`` inside ``module``.
 
@@ -110,7 +116,7 @@ def resolve(module: ModuleType, qualname: str) -> Tuple[Any, str, Any]:
                     # Inherited: wrap where it is defined, so every subclass sees the fix; but never
                     # in another library (diffusers 0.27's ModelMixin.to is torch.nn.Module.to).
                     if _top(klass.__module__) != _top(module.__name__):
-                        raise AttributeError(
+                        raise InheritedFromAnotherLibrary(
                             f"{module.__name__}.{qualname} is inherited from {klass.__module__}."
                             f"{klass.__qualname__} in this release"
                         )

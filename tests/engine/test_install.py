@@ -407,6 +407,19 @@ def test_a_target_the_library_changed_is_skipped_with_a_warning_and_refused_in_s
             import fakelib.core  # noqa: F401
 
 
+def test_a_method_the_release_only_inherits_from_another_library_is_skipped_unwarned(fake_stack, caplog):
+    """transformers 4.27's PreTrainedModel.cuda is torch's Module.cuda: that release has no method of
+    its own there, so nothing of its to repair and nothing missing; strict mode takes it too."""
+    register_fake(target="Thing.__repr__")  # object's
+    import fakelib.core  # noqa: F401
+
+    with caplog.at_level(logging.WARNING, logger="devmap_shims"):
+        assert devmap_shims.install(only=["fake-fix"], strict=True)
+    target = shim_status()["targets"][0]
+    assert target["state"] == "skipped" and "inherited from builtins.object" in target["reason"]
+    assert "fake-fix" not in caplog.text
+
+
 def test_a_target_skipped_for_a_bug_that_is_not_here_is_not_warned_about(fake_stack, caplog):
     register_fake(target="no_such_function", spec=">=5.0")
     with caplog.at_level(logging.WARNING, logger="devmap_shims"):

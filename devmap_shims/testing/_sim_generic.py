@@ -23,7 +23,7 @@ from ._sim_op_checks import check_mixed
 from ._sim_devices import Target, parse_device
 from ._sim_generators import default_generator, generator_device
 from ._sim_operands import tensor_operands, torch_functions
-from ._sim_storages import mark_pinned, sim_copy, tag, tag_all
+from ._sim_storages import RESIZING, mark_pinned, precheck_resize, recharge, sim_copy, tag, tag_all
 
 _storage_id = torch._C._storage_id
 _Tensor = torch.Tensor
@@ -277,10 +277,15 @@ def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
             kwargs["generator"] = default_generator(common)
         else:
             _check_generator(kwargs, common)
+    resizing = func in RESIZING
+    if resizing:
+        precheck_resize(func, args, kwargs)
     if S.SAVED_HOOKS:  # saved-tensor hooks see the op's new outputs on its device
         out = run_announcing(func, args, kwargs, common, ts)
     else:
         out = func(*args, **kwargs)
+    if resizing or (kwargs and kwargs.get("out") is not None):  # a storage grown in place
+        recharge(args[0] if resizing else kwargs["out"])
     if isinstance(out, _Tensor):
         try:
             sid = _storage_id(out)

@@ -247,19 +247,38 @@ class SimulatedMachine:
         ref.key, ref.device, ref.nbytes = key, device, nbytes
         self._storages[key] = ref
 
+    def _precheck_resize(self, key: int, nbytes: int) -> None:
+        """Raise the OOM that resizing the tracked storage ``key`` to ``nbytes`` raises on CUDA before
+        anything changes: ``resize_bytes_cuda`` takes a block of the whole new size while the old one
+        is still held, copies, then frees the old one."""
+        ref = self._storages.get(key)
+        new = round_block(nbytes)
+        if ref is None or new in (0, ref.nbytes):
+            return
+        if self._allocated[ref.device] + new > self._caps[ref.device]:
+            self._num_ooms[ref.device] += 1
+            raise _oom_error_type()(self.oom_message(ref.device, new))
+
     def _recharge(self, storage: torch.UntypedStorage, key: int) -> None:
-        """Follow a storage resized in place (``resize_``, ``out=``)."""
-        ref = self._storages[key]
+        """Follow a tracked storage resized in place (``Tensor.resize_``, an ``out=`` that grew,
+        ``UntypedStorage.resize_``, as FSDP frees and refills its flat parameters): its new size from
+        now on, old and new blocks both at the peak. Past capacity it raises the OOM, though the
+        storage has grown already (CUDA leaves it as it was)."""
+        ref = self._storages.get(key)
+        if ref is None:
+            return
         device, old = ref.device, ref.nbytes
         new = round_block(storage.nbytes())
         if new == old:
             return
-        if new > old and self._allocated[device] + new - old > self._caps[device]:
+        if new > old and self._allocated[device] + new > self._caps[device]:
             self._num_ooms[device] += 1
-            raise _oom_error_type()(self.oom_message(device, new - old))
+            raise _oom_error_type()(self.oom_message(device, new))
+        self._peak[device] = max(self._peak[device], self._allocated[device] + new)
         self._allocated[device] += new - old
-        self._peak[device] = max(self._peak[device], self._allocated[device])
         ref.nbytes = new
+        if new:
+            self._num_allocs[device] += 1
 
     def _on_storage_freed(self, ref: "_StorageRef") -> None:
         if self._storages.get(ref.key) is ref:

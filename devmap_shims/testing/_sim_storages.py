@@ -52,6 +52,74 @@ def tag_all(out: Any, idx: int, skip: Optional[set] = None) -> None:
                 tag_all(o, idx, skip)
 
 
+# ---------------------------------------------------------------------------------------------
+# storages resized in place
+# ---------------------------------------------------------------------------------------------
+_RESIZE = torch.Tensor.resize_
+_RESIZE_AS = torch.Tensor.resize_as_
+
+
+def resize_target(func: Any, args: Any, kwargs: Any) -> Optional[int]:
+    """The bytes ``t.resize_(sizes)`` / ``t.resize_as_(other)`` needs its storage to hold, when that
+    is more than it holds now (a tensor resized smaller keeps its storage); else None."""
+    t = args[0] if args else None
+    if not isinstance(t, _Tensor):
+        return None
+    if func is _RESIZE_AS:
+        other = args[1] if len(args) > 1 else kwargs.get("the_template")
+        sizes: Any = tuple(other.shape) if isinstance(other, _Tensor) else None
+    else:
+        sizes = args[1:] if len(args) > 1 else kwargs.get("size")
+        if sizes is not None and len(sizes) == 1 and not isinstance(sizes[0], int):
+            sizes = tuple(sizes[0])  # t.resize_((2, 3)) or t.resize_(torch.Size(...))
+    if sizes is None:
+        return None
+    numel = 1
+    for n in sizes:
+        numel *= int(n)
+    needed = (t.storage_offset() + numel) * t.element_size()
+    return needed if needed > t.untyped_storage().nbytes() else None
+
+
+RESIZING = (_RESIZE, _RESIZE_AS)
+
+
+def precheck_resize(func: Any, args: Any, kwargs: Any) -> None:
+    """Raise the OOM CUDA raises before ``func`` (one of :data:`RESIZING`) grows its tensor's storage."""
+    needed = resize_target(func, args, kwargs)
+    if needed is not None:
+        S.MACHINE._precheck_resize(_storage_id(args[0]), needed)
+
+
+def recharge(out: Any) -> None:
+    """The tensors ``out`` (one, or a tuple or list) on simulated GPUs: their storages' bytes as they
+    are now (``out=`` resizes its tensors as needed)."""
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(t, _Tensor):
+            try:
+                sid = _storage_id(t)
+            except (RuntimeError, TypeError):
+                continue
+            if sid in S.DEVICE_OF:
+                S.MACHINE._recharge(t.untyped_storage(), sid)
+
+
+_real_storage_resize = torch.UntypedStorage.resize_
+
+
+def storage_resize_(storage: Any, size: int) -> Any:
+    """``UntypedStorage.resize_`` during a simulation: a storage on a simulated GPU is charged what
+    it holds afterwards (``resize_(0)`` frees its bytes, as FSDP frees a flat parameter)."""
+    machine = S.MACHINE
+    sid = storage._cdata
+    if machine is None or sid not in S.DEVICE_OF:
+        return _real_storage_resize(storage, size)
+    machine._precheck_resize(sid, int(size))
+    out = _real_storage_resize(storage, size)
+    machine._recharge(storage, sid)
+    return out
+
+
 def sim_copy(t: torch.Tensor, memory_format: Any = torch.preserve_format) -> torch.Tensor:
     """A fresh CPU copy of ``t`` (used where CUDA would copy across devices); one that records
     history sends its gradient back to ``t``'s device (:class:`._sim_autograd.DeviceCopy`)."""

@@ -91,6 +91,7 @@ from typing import Any, Iterator, List, Sequence, Tuple, Union
 import torch
 
 from . import _sim_autograd, _sim_cuda, _sim_generators, _sim_optim, _sim_state as S, _sim_streams
+from ._sim_storages import storage_resize_
 from ._sim_autograd import SimulatedAutogradError
 from ._sim_devices import clear_parse_cache
 from ._sim_load import load as _load, real_load as _real_load
@@ -292,6 +293,7 @@ def _install(patcher: _Patcher) -> None:
     patcher.set(T, "is_cpu", property(_is_cpu, doc=_TensorBase.is_cpu.__doc__))
     patcher.set(T, "get_device", _get_device)
     patcher.set(T, "record_stream", _record_stream)
+    patcher.set(torch.UntypedStorage, "resize_", storage_resize_)  # not a torch function
     for namespace, modules in (
         (_sim_cuda.cuda_namespace(), _cuda_modules()),
         (_sim_cuda.accelerator_namespace(), _accelerator_modules()),

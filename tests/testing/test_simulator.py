@@ -879,6 +879,41 @@ def test_memory_is_charged_per_storage_and_freed():
         assert m.allocated(1) == 0
 
 
+def test_storages_resized_in_place_are_charged_what_they_hold():
+    """``Tensor.resize_``, an ``out=`` that grows its tensor and ``UntypedStorage.resize_`` (FSDP frees
+    and refills its flat parameters that way) change what a GPU holds: CUDA takes a block of the
+    new size while the old one is held, and refuses before anything changes past capacity."""
+    with simulated_gpus(2, memory="16MiB") as m:
+        x = torch.empty(10, device="cuda:1")
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="Tried to allocate 32.00 MiB. GPU 1 "):
+            x.resize_(8 * 2**20)
+        assert x.shape == (10,) and m.allocated(1) == 512 and m.num_ooms(1) == 1
+        x.resize_((2**20,))  # 4 MiB
+        assert m.allocated(1) == 4 * 2**20 and x.device == torch.device("cuda:1")
+        x.resize_(5)  # smaller: the storage stays
+        assert m.allocated(1) == 4 * 2**20
+        y = torch.empty(2**20, device="cuda:1")
+        y.untyped_storage().resize_(0)
+        assert m.allocated(1) == 4 * 2**20
+        torch.cuda.reset_peak_memory_stats(1)
+        y.untyped_storage().resize_(4 * 2**20)
+        assert m.allocated(1) == 8 * 2**20
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="Tried to allocate 12.00 MiB"):
+            y.untyped_storage().resize_(12 * 2**20)  # 8 MiB held + a new 12 MiB block
+        assert y.untyped_storage().nbytes() == 4 * 2**20
+        out = torch.empty(0, device="cuda:1")
+        torch.add(torch.ones(2**20, device="cuda:1"), 1, out=out)
+        gc.collect()
+        assert m.allocated(1) == 12 * 2**20 and out.device == torch.device("cuda:1")
+        torch.empty(0, device="cuda:1").resize_as_(out)
+        gc.collect()
+        assert m.allocated(1) == 12 * 2**20
+        del x, y, out
+        gc.collect()
+        assert m.allocated(1) == 0 and m.allocated(0) == 0
+    assert torch.empty(3).untyped_storage().resize_(0).nbytes() == 0  # torch's own method again
+
+
 def test_module_memory_moves_with_the_module():
     with simulated_gpus(2) as m:
         lin = torch.nn.Linear(128, 128)  # 64 KiB weight + 512 B bias
@@ -930,7 +965,7 @@ def test_oom_type_is_torchs():
 # ------------------------------------------------------------------------------------------------
 def _owners():
     owners = [torch, torch.Tensor, torch.cuda, torch.cuda.memory, torch.cuda.random, torch.cuda.streams]
-    owners += [torch.serialization, torch.backends.cudnn]
+    owners += [torch.serialization, torch.backends.cudnn, torch.UntypedStorage]
     if hasattr(torch, "accelerator"):
         owners.append(torch.accelerator)
         if hasattr(torch.accelerator, "memory"):

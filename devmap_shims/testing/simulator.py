@@ -65,8 +65,10 @@ What is not simulated
       kernels). ``safetensors`` loading with ``device="cuda:N"`` does work (it goes through torch).
     * Threads: torch function modes are thread-local. Work submitted to a
       ``concurrent.futures.ThreadPoolExecutor`` during the simulation runs inside it (transformers
-      loads checkpoints that way); other threads run unintercepted (their tensors are plain CPU
-      tensors, and a move to ``cuda`` there reaches the real driver and fails).
+      loads checkpoints that way), and so do ``nn.DataParallel``'s replicas (its collectives are
+      copies between the simulated GPUs, without NCCL: :mod:`._sim_threads`); other threads run
+      unintercepted (their tensors are plain CPU tensors, and a move to ``cuda`` there reaches the
+      real driver and fails).
     * ``torch.save`` writes simulated tensors as CPU tensors (``torch.load`` with a
       ``map_location`` naming a simulated GPU, or of a checkpoint saved on real CUDA, does load
       onto the simulated GPUs; a callable ``map_location`` is used as given).
@@ -82,7 +84,6 @@ Tensors created inside a simulation remain valid CPU tensors after it ends and t
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
 import types
@@ -90,7 +91,8 @@ from typing import Any, Iterator, List, Sequence, Tuple, Union
 
 import torch
 
-from . import _sim_autograd, _sim_cuda, _sim_generators, _sim_optim, _sim_state as S, _sim_streams
+from . import _sim_autograd, _sim_cuda, _sim_functions, _sim_generators, _sim_optim, _sim_state as S
+from . import _sim_streams, _sim_threads
 from ._sim_storages import storage_resize_
 from ._sim_autograd import SimulatedAutogradError
 from ._sim_devices import clear_parse_cache
@@ -260,33 +262,9 @@ def _int_device_needs_standin() -> bool:
         return True
 
 
-_real_submit = concurrent.futures.ThreadPoolExecutor.submit
-
-
-def _in_simulation(fn: Any) -> Any:
-    """Run ``fn`` (in a worker thread) under the simulation's mode: modes are thread-local."""
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if S.MACHINE is None or S.DEPTH.in_mode:
-            return fn(*args, **kwargs)
-        S.DEPTH.in_mode = True
-        try:
-            with SimulationMode():
-                return fn(*args, **kwargs)
-        finally:
-            S.DEPTH.in_mode = False
-
-    return run
-
-
-def _submit(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
-    return _real_submit(self, _in_simulation(fn), *args, **kwargs)
-
-
 def _install(patcher: _Patcher) -> None:
-    # transformers >= 5 materialises checkpoint tensors in a ThreadPoolExecutor
-    patcher.set(concurrent.futures.ThreadPoolExecutor, "submit", _submit)
+    # ThreadPoolExecutor workers (transformers >= 5 loads checkpoints so), nn.DataParallel
+    _sim_threads.install(patcher)
     T = torch.Tensor
     patcher.set(T, "device", property(_device, doc=_TensorBase.device.__doc__))
     patcher.set(T, "is_cuda", property(_is_cuda, doc=_TensorBase.is_cuda.__doc__))
@@ -313,6 +291,7 @@ def _install(patcher: _Patcher) -> None:
         patcher.set(torch, "device", _sim_cuda.DeviceStandIn)
     # the backward pass runs in the C++ engine; optimizers group their tensors in C++
     _sim_autograd.install_engine(patcher)
+    _sim_functions.install(patcher)  # custom Functions' backward: gradients on their outputs' GPUs
     _sim_optim.install_grouping(patcher)
 
 

@@ -973,8 +973,14 @@ def _owners():
     import concurrent.futures
 
     owners.append(concurrent.futures.ThreadPoolExecutor)
-    # autograd: the engine, the optimizers' grouping, saved-tensor hooks
+    # autograd: the engine, the optimizers' grouping, saved-tensor hooks, custom Functions
     owners += [torch.autograd.variable.Variable, torch._C, torch._C._autograd]
+    owners += [torch.autograd.function.Function, torch.autograd.function.BackwardCFunction]
+    # nn.DataParallel: its worker threads, copy streams and NCCL check
+    import importlib
+
+    owners += [importlib.import_module(f"torch.nn.parallel.{n}") for n in ("parallel_apply", "_functions")]
+    owners.append(importlib.import_module("torch.cuda.nccl"))
     return owners
 
 

@@ -324,12 +324,12 @@ def push_saved_tensors_hooks(pack_hook: Any, unpack_hook: Any) -> None:
     op's output it saves already on the op's device), so the metadata checkpointing records in
     the forward pass matches what it recomputes."""
     _real_push_hooks(_in_simulated_view(pack_hook, True), _in_simulated_view(unpack_hook, False))
-    S.SAVED_HOOKS += 1
+    S.DEPTH.saved_hooks += 1
 
 
 def pop_saved_tensors_hooks() -> None:
     _real_pop_hooks()
-    S.SAVED_HOOKS = max(S.SAVED_HOOKS - 1, 0)
+    S.DEPTH.saved_hooks = max(S.DEPTH.saved_hooks - 1, 0)
 
 
 def install_engine(patcher: Any) -> None:

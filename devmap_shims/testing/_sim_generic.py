@@ -244,6 +244,10 @@ def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
             _check_generator(kwargs, _CPU)
         if kwargs.get("pin_memory"):
             return run_with_device(func, args, kwargs, _CPU)
+        if kwargs.get("out") is not None:  # torch.zeros(n, out=t): t grows where it is
+            result = func(*args, **kwargs)
+            recharge(kwargs["out"])
+            return result
         return func(*args, **kwargs)
 
     device_of = S.DEVICE_OF
@@ -280,7 +284,7 @@ def generic(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
     resizing = func in RESIZING
     if resizing:
         precheck_resize(func, args, kwargs)
-    if S.SAVED_HOOKS:  # saved-tensor hooks see the op's new outputs on its device
+    if S.DEPTH.saved_hooks:  # saved-tensor hooks see the op's new outputs on its device
         out = run_announcing(func, args, kwargs, common, ts)
     else:
         out = func(*args, **kwargs)

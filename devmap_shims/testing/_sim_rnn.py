@@ -42,7 +42,7 @@ def _packed_on(args: Any, kwargs: Any) -> Optional[int]:
 def _run_packed(func: Any, args: Any, kwargs: Any, idx: int, on_gpu: Any) -> Any:
     """The packed-sequence op on the CPU tensors behind the simulation; its outputs at ``on_gpu``
     (None: all) on the GPU, the sizes it returns on the CPU, as CUDA gives them."""
-    if S.SAVED_HOOKS:  # the hooks see what the op saves on its GPU, the sizes on the CPU
+    if S.DEPTH.saved_hooks:  # the hooks see what the op saves on its GPU, the sizes on the CPU
         out = run_announcing(func, args, kwargs, idx, tensor_operands(args, kwargs), sizes_on_cpu=True)
     else:
         out = func(*args, **kwargs)

@@ -34,12 +34,13 @@ class _Depth(threading.local):
     # (device, operands) of the op running while saved-tensor hooks are on: a hook called inside
     # it sees the op's new outputs on that device (see _sim_autograd.push_saved_tensors_hooks)
     op_outputs: Any = None
+    # saved-tensor hook pairs pushed in this thread during the simulation and not yet popped (torch
+    # keeps them per thread; nn.DataParallel's replicas checkpoint in threads of their own)
+    saved_hooks = 0
 
 
 DEPTH = _Depth()
 
-# How many saved-tensor hook pairs were pushed during the simulation and not yet popped
-SAVED_HOOKS = 0
 
 # One real torch.device per simulated index, built once per simulation.
 CUDA_DEVICES: list = []

@@ -6,6 +6,7 @@ GPU; a storage is tagged once, when it is new, so views and in-place results kee
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any, Dict, Optional
 
@@ -56,7 +57,7 @@ def tag_all(out: Any, idx: int, skip: Optional[set] = None) -> None:
 # storages resized in place
 # ---------------------------------------------------------------------------------------------
 _RESIZE = torch.Tensor.resize_
-_RESIZE_AS = torch.Tensor.resize_as_
+_RESIZE_AS = (torch.Tensor.resize_as_, torch.resize_as_)
 
 
 def resize_target(func: Any, args: Any, kwargs: Any) -> Optional[int]:
@@ -65,13 +66,16 @@ def resize_target(func: Any, args: Any, kwargs: Any) -> Optional[int]:
     t = args[0] if args else None
     if not isinstance(t, _Tensor):
         return None
-    if func is _RESIZE_AS:
+    if func in _RESIZE_AS:
         other = args[1] if len(args) > 1 else kwargs.get("the_template")
         sizes: Any = tuple(other.shape) if isinstance(other, _Tensor) else None
     else:
         sizes = args[1:] if len(args) > 1 else kwargs.get("size")
-        if sizes is not None and len(sizes) == 1 and not isinstance(sizes[0], int):
-            sizes = tuple(sizes[0])  # t.resize_((2, 3)) or t.resize_(torch.Size(...))
+        if sizes is not None and len(sizes) == 1:
+            try:
+                sizes = (operator.index(sizes[0]),)  # an int, a numpy int, a 0-dim integer tensor
+            except TypeError:
+                sizes = tuple(sizes[0])  # t.resize_((2, 3)) or t.resize_(torch.Size(...))
     if sizes is None:
         return None
     numel = 1
@@ -81,7 +85,7 @@ def resize_target(func: Any, args: Any, kwargs: Any) -> Optional[int]:
     return needed if needed > t.untyped_storage().nbytes() else None
 
 
-RESIZING = (_RESIZE, _RESIZE_AS)
+RESIZING = (_RESIZE, *_RESIZE_AS)
 
 
 def precheck_resize(func: Any, args: Any, kwargs: Any) -> None:

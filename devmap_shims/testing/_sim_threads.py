@@ -92,11 +92,21 @@ def _scatter(
 
 
 def _gather(tensors: Sequence[torch.Tensor], dim: int = 0, destination: Optional[int] = None) -> torch.Tensor:
+    """The result made once on the destination and each input copied into its slice, as CUDA's
+    ``_gather`` does (no copy of a whole input on the destination first)."""
     if destination == -1:
         target = torch.device("cpu")
     else:
         target = _gpu(torch.cuda.current_device() if destination is None else destination)
-    return torch.cat([t.to(target) for t in tensors], dim)
+    first = tensors[0]
+    shape = list(first.shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    result = torch.empty(shape, dtype=first.dtype, device=target)
+    start = 0
+    for t in tensors:
+        result.narrow(dim, start, t.shape[dim]).copy_(t)
+        start += t.shape[dim]
+    return result
 
 
 def _no_nccl(tensors: Any) -> bool:
@@ -105,7 +115,8 @@ def _no_nccl(tensors: Any) -> bool:
 
 def _copy_stream(device: Any) -> Any:
     """``torch.nn.parallel._functions._get_stream``: a simulated stream of that GPU to copy a CPU
-    input on (torch asks ``torch.Stream``, which needs a driver; before 2.8 it took an index)."""
+    input on (torch builds a ``torch.Stream`` or the device module's ``Stream`` there, and keeps it
+    in a list of its own, which would outlive the simulation)."""
     index = device if isinstance(device, int) else device.index
     if index is None or (not isinstance(device, int) and device.type == "cpu"):
         return None

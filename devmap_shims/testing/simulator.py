@@ -345,7 +345,7 @@ def simulated_gpus(
             S.DEPTH.n = 0
             S.DEPTH.backward = 0
             S.DEPTH.op_outputs = None
-            S.SAVED_HOOKS = 0
+            S.DEPTH.saved_hooks = 0
             S.DEPTH.in_mode = False
             clear_parse_cache()
             _sim_cuda.stop()

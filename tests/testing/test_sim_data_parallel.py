@@ -65,6 +65,11 @@ def test_the_collectives_place_what_they_return_as_torch_documents():
         assert [(c.device, c.shape[0]) for c in chunks] == [(CUDA0, 4), (CUDA1, 2)]
         gathered = comm.gather(chunks, destination="cpu")
         assert gathered.device.type == "cpu" and torch.equal(gathered, torch.arange(6.0))
+        halves = [torch.ones(2**18, device="cuda:0"), torch.ones(2**18, device="cuda:1")]
+        torch.cuda.reset_peak_memory_stats(0)
+        held = torch.cuda.memory_allocated(0)
+        assert comm.gather(halves, destination=0).device == CUDA0
+        assert torch.cuda.max_memory_allocated(0) - held == 2 * 2**20  # the result only, as CUDA
         ones = [torch.ones(3, device="cuda:0"), torch.ones(3, device="cuda:1")]
         total = comm.reduce_add(ones, destination=1)
         assert total.device == CUDA1 and torch.equal(real_cpu_tensor(total), torch.full((3,), 2.0))

@@ -8,6 +8,7 @@ import gc
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -906,8 +907,15 @@ def test_storages_resized_in_place_are_charged_what_they_hold():
         gc.collect()
         assert m.allocated(1) == 12 * 2**20 and out.device == torch.device("cuda:1")
         torch.empty(0, device="cuda:1").resize_as_(out)
+        torch.resize_as_(torch.empty(0, device="cuda:1"), out)
         gc.collect()
         assert m.allocated(1) == 12 * 2**20
+        grown = torch.empty(0, device="cuda:1")
+        torch.zeros(2**18, out=grown)  # a factory's out=
+        assert m.allocated(1) == 13 * 2**20
+        grown.resize_(np.int64(2**19))  # one size, not a Python int
+        assert m.allocated(1) == 14 * 2**20 and grown.shape == (2**19,)
+        del grown
         del x, y, out
         gc.collect()
         assert m.allocated(1) == 0 and m.allocated(0) == 0

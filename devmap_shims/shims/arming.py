@@ -41,9 +41,12 @@ def arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
             entry.state = FAILED
             entry.error = f"{type(exc).__name__}: {exc}"
             entry.reason = f"could not wrap {entry.target.key}"
+            # a shim's own mistake (a plugin's) or a library that changed, or else ours to hear of
+            report = "" if isinstance(exc, (LibraryChanged, RepairRefused)) else (
+                " Report this with `devmap-shims doctor --json`.")
             message = (
                 f"shim {shim.id!r} could not wrap {entry.target.key} ({entry.error}); "
-                "the library runs unpatched. Report this with `devmap-shims doctor --json`."
+                f"the library runs unpatched.{report}"
             )
             if registry.strict:
                 raise ShimError(message) from exc
@@ -82,7 +85,8 @@ def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
         entry.state, entry.reason = SKIPPED, f"target missing: {exc} (nothing of the library's to wrap)"
         return
     except AttributeError as exc:
-        _not_applied(registry, entry, f"target missing: {exc} (the library changed; shim not applied)", exc)
+        missing = f"target missing: {exc} (the library changed; shim not applied)"
+        _not_applied(registry, entry, missing, applies, exc)
         return
     # the attribute itself, not what __wrapped__ claims: an override decorated with
     # functools.wraps(Base.m) need not call Base.m
@@ -110,12 +114,12 @@ def _arm(registry: Registry, entry: TargetEntry, module: Any) -> None:
             _not_applied(registry, entry, (
                 f"signature drift: {target.key} has no parameter(s) {', '.join(missing)}; "
                 "shim not applied"
-            ))
+            ), applies)
             return
     wrapper = wrapper_of(shim, target)
     deferred = _deferred_kind(wrapper)
     if deferred:
-        raise TypeError(
+        raise RepairRefused(
             f"its repair {getattr(wrapper, '__qualname__', wrapper)!r} is {deferred}: the call would return "
             "before the repair's body runs, where no error in it can fall back to the library; a repair "
             "is a plain function that returns the call's result"
@@ -173,12 +177,20 @@ class LibraryChanged(LookupError):
     """A target of a shim whose bug applies here is gone or has other parameters (strict mode)."""
 
 
+class RepairRefused(TypeError):
+    """A repair the guard cannot cover (a generator or coroutine function)."""
+
+
 def _not_applied(
-    registry: Registry, entry: TargetEntry, reason: str, cause: Optional[BaseException] = None
+    registry: Registry, entry: TargetEntry, reason: str, applies: bool, cause: Optional[BaseException] = None
 ) -> None:
-    """``entry``'s target cannot take the repair (the library changed), though a row of its shim
-    applies here or the shim is forced: skipped with one warning, as that call runs unrepaired;
-    strict mode raises instead (:func:`arm` makes it a :class:`ShimError`)."""
+    """``entry``'s target cannot take the repair (the library changed) though a row of its shim
+    ``applies`` here: skipped with one warning, as that call runs unrepaired; strict mode raises
+    instead (:func:`arm` makes it a :class:`ShimError`). A shim forced outside its rows' range is
+    only skipped: an older release may well not have the target yet."""
+    if not applies:
+        entry.state, entry.reason = SKIPPED, reason
+        return
     if registry.strict:
         raise LibraryChanged(reason) from cause
     entry.state, entry.reason = SKIPPED, reason

@@ -27,8 +27,8 @@ def _as_tuple(name: str, ids: Optional[Iterable[str]]) -> Optional[Tuple[str, ..
     separated by commas, as ``DEVMAP_SHIMS_DISABLE`` takes them."""
     if ids is None:
         return None
-    if isinstance(ids, str):
-        return tuple(part.strip() for part in ids.split(",") if part.strip())
+    if isinstance(ids, str):  # one with no id at all stays, to be named as an unknown id
+        return tuple(part.strip() for part in ids.split(",") if part.strip()) or (ids,)
     wrong = ""
     try:
         ids = tuple(ids)

@@ -148,6 +148,8 @@ def test_install_arguments_of_the_wrong_type_are_named_not_read_as_true(fake_sta
     with pytest.raises(TypeError, match=r"install\(plugins=\[\]\) takes True or False"):
         devmap_shims.install(plugins=[])
     assert not devmap_shims.is_installed()
+    with pytest.raises(ValueError, match="install\\(only=...\\) names unknown shim ''"):
+        devmap_shims.install(only="", strict=True)  # no id at all: named, not "no shim"
     assert devmap_shims.install(strict="false", exclude="device-map-balance, tied-sizes-counted-once")
     data = devmap_shims.status()
     assert data["strict"] is False and data["warnings"] == []

@@ -6,6 +6,7 @@ Random ops on simulated GPUs draw from them, those that take no generator includ
 
 from __future__ import annotations
 
+import threading
 from typing import Any, List
 
 import torch
@@ -48,19 +49,26 @@ def default_generator(idx: int) -> SimulatedCudaGenerator:
     return DEFAULT_GENERATORS[idx]
 
 
+#: One swap at a time: nn.DataParallel's replicas draw in threads of their own, each from its GPU's
+#: generator, through the one CPU generator.
+_SWAP = threading.RLock()
+
+
 def drawing_from(g: _RealGenerator, run: Any, *args: Any) -> Any:
     """``run(*args)`` with the CPU's default generator holding ``g``'s state; after it ``g`` takes
     the state the run left and the CPU's generator gets its own back. Ops whose signatures take no
     generator (dropout, rrelu) draw from the CPU's default one: run so, they draw from ``g``.
-    Another thread drawing from the CPU's generator meanwhile would draw from ``g``'s sequence."""
+    Swaps in other threads of the simulation wait; a thread outside it that draws from the CPU's
+    generator meanwhile would draw from ``g``'s sequence."""
     cpu = torch.default_generator
-    own = cpu.get_state()
-    cpu.set_state(g.get_state())
-    try:
-        return run(*args)
-    finally:
-        g.set_state(cpu.get_state())
-        cpu.set_state(own)
+    with _SWAP:
+        own = cpu.get_state()
+        cpu.set_state(g.get_state())
+        try:
+            return run(*args)
+        finally:
+            g.set_state(cpu.get_state())
+            cpu.set_state(own)
 
 
 class _GeneratorMeta(type):

@@ -53,6 +53,25 @@ def test_data_parallel_runs_a_replica_on_each_gpu_and_gives_the_cpus_results(inp
         assert torch.allclose(real_cpu_tensor(model[0].weight.grad), ref[0].weight.grad, atol=1e-6)
 
 
+def test_data_parallels_replicas_draw_each_from_its_own_gpus_generator():
+    """Both GPUs seeded alike: each replica's dropout draws from its GPU's generator, so the two
+    halves of the batch get the same masks. The replicas' threads share the one CPU generator the
+    draws go through; switching threads as often as possible makes their swaps meet."""
+    import sys
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(5):
+            with simulated_gpus(2, memory="1GiB"):
+                model = torch.nn.Sequential(*[torch.nn.Dropout(0.5) for _ in range(20)]).to("cuda:0")
+                torch.cuda.manual_seed_all(0)
+                out = real_cpu_tensor(torch.nn.DataParallel(model, device_ids=[0, 1])(torch.ones(64, 4096)))
+                assert torch.equal(out[:32], out[32:])
+    finally:
+        sys.setswitchinterval(interval)
+
+
 def test_the_collectives_place_what_they_return_as_torch_documents():
     from torch.nn.parallel import comm
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 TYPE_CHECKING = False  # typing only for type checkers: see devmap_shims/shims/record.py
 if TYPE_CHECKING:
-    from typing import Dict, List, Mapping, Optional, Set, Tuple
+    from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
@@ -123,8 +123,46 @@ def _shown(value: str, width: int = 60) -> str:
 
 
 def _ids(env: Mapping[str, str], name: str) -> Tuple[str, ...]:
-    raw = env.get(name, "")
+    return split_ids(env.get(name, ""))
+
+
+def split_ids(raw: str) -> Tuple[str, ...]:
+    """The ids of a list separated by commas, as the variables and ``install()`` take them."""
     return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
+def install_ids(name: str, ids: Any) -> Optional[Tuple[str, ...]]:
+    """``install(name=ids)`` as a tuple of shim ids: an iterable of strings, or one string of ids
+    separated by commas, as ``DEVMAP_SHIMS_DISABLE`` takes them."""
+    if ids is None:
+        return None
+    if isinstance(ids, str):  # one with no id at all stays, to be named as an unknown id
+        return split_ids(ids) or (ids,)
+    wrong = ""
+    try:
+        ids = tuple(ids)
+    except TypeError:
+        wrong = type(ids).__name__
+    else:
+        odd = [i for i in ids if not isinstance(i, str)]
+        wrong = f"a list holding {type(odd[0]).__name__} {odd[0]!r:.40}" if odd else ""
+    if wrong:
+        raise TypeError(f"install({name}=...) takes shim ids, as a list of strings or one string like "
+                        f"'a,b', not {wrong}")
+    return ids
+
+
+def install_switch(name: str, value: Any) -> Optional[bool]:
+    """``install(name=value)`` for a switch: None, a bool, 0 or 1, or the words the environment
+    variables take (``"false"``, ``"on"``...); anything else is refused rather than read as true."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and flag(value) is not None:
+        return flag(value)
+    words = ", ".join(TRUE + FALSE)
+    raise TypeError(f"install({name}={value!r:.40}) takes True or False (or one of {words})")
 
 
 def read_settings(env: Optional[Mapping[str, str]] = None) -> Settings:

@@ -22,42 +22,6 @@ from devmap_shims.shims.registry import Registry, ShimError, logger
 from devmap_shims.versions import TARGET_DISTRIBUTIONS
 
 
-def _as_tuple(name: str, ids: Optional[Iterable[str]]) -> Optional[Tuple[str, ...]]:
-    """``install(name=ids)`` as a tuple of shim ids: an iterable of strings, or one string of ids
-    separated by commas, as ``DEVMAP_SHIMS_DISABLE`` takes them."""
-    if ids is None:
-        return None
-    if isinstance(ids, str):  # one with no id at all stays, to be named as an unknown id
-        return tuple(part.strip() for part in ids.split(",") if part.strip()) or (ids,)
-    wrong = ""
-    try:
-        ids = tuple(ids)
-    except TypeError:
-        wrong = type(ids).__name__
-    else:
-        odd = [i for i in ids if not isinstance(i, str)]
-        wrong = f"a list holding {type(odd[0]).__name__} {odd[0]!r:.40}" if odd else ""
-    if wrong:
-        raise TypeError(f"install({name}=...) takes shim ids, as a list of strings or one string like "
-                        f"'a,b', not {wrong}")
-    return ids
-
-
-def _as_switch(name: str, value: Any) -> Optional[bool]:
-    """``install(name=value)`` for a switch: None, a bool, 0 or 1, or the words the environment
-    variables take (``"false"``, ``"on"``...); anything else is refused rather than read as true."""
-    from devmap_shims.shims.config import FALSE, TRUE, flag
-
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and flag(value) is not None:
-        return flag(value)
-    words = ", ".join(TRUE + FALSE)
-    raise TypeError(f"install({name}={value!r:.40}) takes True or False (or one of {words})")
-
-
 class Engine:
     """Process-wide state behind ``install()``, ``uninstall()``, ``register()`` and ``status()``."""
 
@@ -95,9 +59,9 @@ class Engine:
         settings = config.read_settings()
         logs.configure(settings.log_level)
         registry = self.registry
-        strict, plugins = _as_switch("strict", strict), _as_switch("plugins", plugins)
-        only, exclude = _as_tuple("only", only), _as_tuple("exclude", exclude)
-        force = _as_tuple("force", force)
+        strict, plugins = config.install_switch("strict", strict), config.install_switch("plugins", plugins)
+        only, exclude = config.install_ids("only", only), config.install_ids("exclude", exclude)
+        force = config.install_ids("force", force)
         strict_mode = settings.strict if strict is None else strict
         with registry.lock:
             for problem in settings.problems:

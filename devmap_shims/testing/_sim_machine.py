@@ -227,7 +227,8 @@ class SimulatedMachine:
         )
 
     def _precheck(self, device: int, nbytes: int) -> None:
-        """Raise the OOM an allocation of ``nbytes`` on ``device`` would raise, before making it."""
+        """Raise the OOM an allocation of ``nbytes`` on ``device`` would raise, before making it (a
+        new storage, or the new block of one resized)."""
         nbytes = round_block(nbytes)
         if nbytes and self._allocated[device] + nbytes > self._caps[device]:
             self._num_ooms[device] += 1
@@ -236,9 +237,7 @@ class SimulatedMachine:
     def _charge(self, storage: torch.UntypedStorage, key: int, device: int) -> None:
         """Charge a new storage to ``device``; raises torch's OutOfMemoryError past capacity."""
         nbytes = round_block(storage.nbytes())
-        if nbytes and self._allocated[device] + nbytes > self._caps[device]:
-            self._num_ooms[device] += 1
-            raise _oom_error_type()(self.oom_message(device, nbytes))
+        self._precheck(device, nbytes)
         self._allocated[device] += nbytes
         if self._allocated[device] > self._peak[device]:
             self._peak[device] = self._allocated[device]
@@ -253,11 +252,8 @@ class SimulatedMachine:
         is still held, copies, then frees the old one."""
         ref = self._storages.get(key)
         new = round_block(nbytes)
-        if ref is None or new in (0, ref.nbytes):
-            return
-        if self._allocated[ref.device] + new > self._caps[ref.device]:
-            self._num_ooms[ref.device] += 1
-            raise _oom_error_type()(self.oom_message(ref.device, new))
+        if ref is not None and new != ref.nbytes:
+            self._precheck(ref.device, new)
 
     def _recharge(self, storage: torch.UntypedStorage, key: int) -> None:
         """Follow a tracked storage resized in place (``Tensor.resize_``, an ``out=`` that grew,
@@ -271,9 +267,8 @@ class SimulatedMachine:
         new = round_block(storage.nbytes())
         if new == old:
             return
-        if new > old and self._allocated[device] + new > self._caps[device]:
-            self._num_ooms[device] += 1
-            raise _oom_error_type()(self.oom_message(device, new))
+        if new > old:
+            self._precheck(device, new)
         self._peak[device] = max(self._peak[device], self._allocated[device] + new)
         self._allocated[device] += new - old
         ref.nbytes = new
